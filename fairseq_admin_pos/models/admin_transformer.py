@@ -1,0 +1,404 @@
+"""``admin_transformer``: fairseq's Transformer with Admin residuals and position choices.
+
+Every residual sub-layer computes ``LN(x * omega + dropout(f(x)))`` (Liu et al. 2020,
+"Understanding the Difficulty of Training Transformers", Eq. 6): encoder self-attention and
+FFN, decoder self-attention, encoder-attention and FFN, one omega per sub-layer.
+
+omega comes from ``--admin-init``:
+
+* ``closed-form``: ``omega = sqrt(calculate_init(N, --admin-output-change-scale))`` (admin-torch),
+  with N the number of residual sub-layers of that stack: ``2 * encoder_layers`` for every
+  encoder omega, ``3 * decoder_layers`` for every decoder omega (2 per layer without
+  encoder attention);
+* ``none``: omega = 1, which with ``--admin-omega buffer`` is exactly fairseq's ``transformer``
+  (same parameters for the same seed, same loss, same translations).
+
+``--admin-omega buffer`` keeps omega a fixed scalar buffer; ``parameter`` makes it a trainable
+vector of size ``embed_dim`` (Transformer-Clinic's form).
+
+The settings are stored in the model's state dict (``_extra_state``); loading a checkpoint
+whose settings differ from the flags given raises a ``ValueError`` that names them, instead of
+silently running with other omegas or positions.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict
+
+import torch.nn as nn
+
+from fairseq import utils
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import (
+    TransformerConfig,
+    TransformerDecoderBase,
+    TransformerEncoderBase,
+    TransformerModel,
+)
+from fairseq.models.transformer.transformer_legacy import base_architecture
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+
+from fairseq_admin_pos.admin import OmegaResidual, calculate_init
+from fairseq_admin_pos.models.layers import (
+    AdminTransformerDecoderLayer,
+    AdminTransformerEncoderLayer,
+)
+from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, build_positions
+
+logger = logging.getLogger(__name__)
+
+ADMIN_INIT_CHOICES = ("closed-form", "none")
+OUTPUT_CHANGE_SCALES = ("O(logn)", "O(n)", "O(1)")
+OMEGA_FORMS = ("buffer", "parameter")
+
+# the flags whose values define the model's omegas and positions (checked on load)
+SETTING_KEYS = (
+    "admin_init",
+    "admin_output_change_scale",
+    "admin_omega",
+    "encoder_pos_emb",
+    "decoder_pos_emb",
+)
+
+
+def _choice(cfg, name: str, choices) -> str:
+    value = getattr(cfg, name, None)
+    if value not in choices:
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} {value!r} is not valid; valid choices: {', '.join(choices)}")
+    return value
+
+
+def admin_settings(cfg) -> Dict[str, str]:
+    """The validated plugin settings from an args namespace or TransformerConfig."""
+    settings = {
+        "admin_init": _choice(cfg, "admin_init", ADMIN_INIT_CHOICES),
+        "admin_output_change_scale": _choice(
+            cfg, "admin_output_change_scale", OUTPUT_CHANGE_SCALES
+        ),
+        "admin_omega": _choice(cfg, "admin_omega", OMEGA_FORMS),
+        "encoder_pos_emb": _choice(cfg, "encoder_pos_emb", POS_EMB_CHOICES),
+        "decoder_pos_emb": _choice(cfg, "decoder_pos_emb", POS_EMB_CHOICES),
+    }
+    return settings
+
+
+def num_residual_sublayers(cfg, side: str) -> int:
+    """N of the closed form: residual sub-layers in one stack (2 per encoder layer, 3 per
+    decoder layer, 2 per decoder layer without encoder attention)."""
+    if side == "encoder":
+        return 2 * cfg.encoder.layers
+    per_layer = 2 if cfg.no_cross_attention else 3
+    return per_layer * cfg.decoder.layers
+
+
+def omega_init_value(cfg, side: str) -> float:
+    if cfg.admin_init == "none":
+        return 1.0
+    return calculate_init(num_residual_sublayers(cfg, side), cfg.admin_output_change_scale)
+
+
+def residual_factory(cfg, side: str):
+    """``embed_dim -> OmegaResidual`` with this side's initial omega and the chosen form."""
+    init = omega_init_value(cfg, side)
+    as_parameter = cfg.admin_omega == "parameter"
+
+    def build(embed_dim: int) -> nn.Module:
+        return OmegaResidual(init, as_parameter=as_parameter, embed_dim=embed_dim)
+
+    return build
+
+
+def _wrap_layer(cfg, layer: nn.Module) -> nn.Module:
+    # same wrapping as fairseq's build_*_layer, so --checkpoint-activations and FSDP work
+    checkpoint = cfg.checkpoint_activations
+    if checkpoint:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    min_params_to_wrap = cfg.min_params_to_wrap if not checkpoint else 0
+    return fsdp_wrap(layer, min_num_params=min_params_to_wrap)
+
+
+class AdminTransformerEncoder(TransformerEncoderBase):
+    """fairseq's Transformer encoder with Admin residuals and the chosen positions."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
+        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        # fairseq built sinusoidal or learned positions (the learned ones from cfg, so the
+        # random stream is the stock one); swap in the other choices after the fact.
+        if cfg.encoder_pos_emb in ("scaled-sinusoidal", "none"):
+            self.embed_positions = build_positions(
+                cfg.encoder_pos_emb,
+                cfg.max_source_positions,
+                embed_tokens.embedding_dim,
+                self.padding_idx,
+            )
+
+    def build_encoder_layer(self, cfg):
+        layer = AdminTransformerEncoderLayer(
+            cfg, residual_factory(cfg, "encoder"), return_fc=self.return_fc
+        )
+        return _wrap_layer(cfg, layer)
+
+
+class AdminTransformerDecoder(TransformerDecoderBase):
+    """fairseq's Transformer decoder with Admin residuals and the chosen positions."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        super().__init__(
+            cfg,
+            dictionary,
+            embed_tokens,
+            no_encoder_attn=no_encoder_attn,
+            output_projection=output_projection,
+        )
+        if cfg.decoder_pos_emb in ("scaled-sinusoidal", "none"):
+            self.embed_positions = build_positions(
+                cfg.decoder_pos_emb,
+                cfg.max_target_positions,
+                cfg.decoder.embed_dim,
+                self.padding_idx,
+            )
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        layer = AdminTransformerDecoderLayer(
+            cfg, residual_factory(cfg, "decoder"), no_encoder_attn=no_encoder_attn
+        )
+        return _wrap_layer(cfg, layer)
+
+
+def resolve_position_flags(args) -> None:
+    """Make ``--{encoder,decoder}-pos-emb`` and fairseq's own position flags agree.
+
+    Without the choice flag, fairseq's flags decide (``--no-token-positional-embeddings`` ->
+    ``none``, ``--*-learned-pos`` -> ``learned``, else ``sinusoidal``). With it, fairseq's flags
+    are set to match, and a contradiction is an error naming both flags.
+    """
+    no_pos = bool(getattr(args, "no_token_positional_embeddings", False))
+    for side in ("encoder", "decoder"):
+        key = f"{side}_pos_emb"
+        learned_key = f"{side}_learned_pos"
+        learned = bool(getattr(args, learned_key, False))
+        choice = getattr(args, key, None)
+        if choice is None:
+            choice = "none" if no_pos else ("learned" if learned else "sinusoidal")
+        elif choice not in POS_EMB_CHOICES:
+            raise ValueError(
+                f"--{side}-pos-emb {choice!r} is not valid; valid choices: "
+                f"{', '.join(POS_EMB_CHOICES)}"
+            )
+        if no_pos and choice != "none":
+            raise ValueError(
+                f"--no-token-positional-embeddings contradicts --{side}-pos-emb {choice}; "
+                f"use --{side}-pos-emb none (or drop one of the two flags)"
+            )
+        if learned and choice != "learned":
+            raise ValueError(
+                f"--{side}-learned-pos contradicts --{side}-pos-emb {choice}; "
+                f"use --{side}-pos-emb learned (or drop one of the two flags)"
+            )
+        setattr(args, key, choice)
+        setattr(args, learned_key, choice == "learned")
+    # fairseq's global switch only when both sides have no positions; one-sided `none` is
+    # handled by the encoder/decoder above.
+    args.no_token_positional_embeddings = (
+        args.encoder_pos_emb == "none" and args.decoder_pos_emb == "none"
+    )
+
+
+def check_normalize_before(args) -> None:
+    """Pre-LN with Admin omegas is not a published configuration: refuse it clearly."""
+    pre_ln = [
+        flag
+        for flag, on in (
+            ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
+            ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
+        )
+        if on
+    ]
+    if pre_ln and args.admin_init != "none":
+        raise ValueError(
+            f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-init "
+            f"{args.admin_init}: Admin rescales the shortcut of Post-LN layers. For the Pre-LN "
+            "baseline use --admin-init none."
+        )
+
+
+@register_model("admin_transformer")
+class AdminTransformerModel(TransformerModel):
+    """Transformer encoder-decoder (Vaswani et al. 2017) with Admin residuals.
+
+    See the module docstring for the formula and the flags; architectures registered below
+    give the published sizes and depths.
+    """
+
+    @classmethod
+    def hub_models(cls):
+        return {}
+
+    @staticmethod
+    def add_args(parser):
+        TransformerModel.add_args(parser)
+        group = parser.add_argument_group("Admin residuals (fairseq_admin_pos)")
+        group.add_argument(
+            "--admin-init",
+            choices=ADMIN_INIT_CHOICES,
+            help="how each residual sub-layer's omega in LN(x * omega + f(x)) is initialised: "
+            "closed-form = sqrt of admin-torch's calculate_init(N) with N the residual "
+            "sub-layers of that stack (2 per encoder layer, 3 per decoder layer); "
+            "none = omega 1 (stock Post-LN, or Pre-LN with --*-normalize-before). "
+            "Default: closed-form",
+        )
+        group.add_argument(
+            "--admin-output-change-scale",
+            choices=OUTPUT_CHANGE_SCALES,
+            help="output change at initialisation targeted by --admin-init closed-form: "
+            "O(logn): omega^2 = (N+1)/ln(N+1) - 1; O(1): omega^2 = N; O(n): omega^2 = 1. "
+            "Default: O(logn)",
+        )
+        group.add_argument(
+            "--admin-omega",
+            choices=OMEGA_FORMS,
+            help="buffer: omega is one fixed scalar per sub-layer; parameter: a trainable "
+            "vector of size embed_dim per sub-layer (Transformer-Clinic). Default: buffer",
+        )
+        group = parser.add_argument_group("Absolute positions (fairseq_admin_pos)")
+        for side in ("encoder", "decoder"):
+            group.add_argument(
+                f"--{side}-pos-emb",
+                choices=POS_EMB_CHOICES,
+                help=f"{side} absolute positions: sinusoidal = fairseq's table; "
+                "scaled-sinusoidal = sinusoid times a learnable scalar initialised to "
+                "1/sqrt(d) (FLASH, arXiv 2202.10447); learned = fairseq's learned table; "
+                f"none = no positions. Default: from --{side}-learned-pos / "
+                "--no-token-positional-embeddings, else sinusoidal",
+            )
+
+    @classmethod
+    def build_model(cls, args, task):
+        admin_base_architecture(args)
+        resolve_position_flags(args)
+        admin_settings(args)  # validates every choice with a message naming the flag
+        check_normalize_before(args)
+        model = super().build_model(args, task)
+        model.admin_settings = admin_settings(args)
+        return model
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return AdminTransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return AdminTransformerDecoder(
+            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
+        )
+
+    # -- settings travel with the weights ------------------------------------------------
+    def get_extra_state(self):
+        return dict(self.admin_settings)
+
+    def set_extra_state(self, state):
+        saved = dict(state)
+        current = self.admin_settings
+        diffs = [
+            f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, flags {current[k]!r}"
+            for k in SETTING_KEYS
+            if k in saved and saved[k] != current[k]
+        ]
+        if diffs:
+            raise ValueError(
+                "admin_transformer checkpoint was trained with other omega/position settings "
+                "than the flags given (" + "; ".join(diffs) + "). Pass the checkpoint's "
+                "settings, or start a new run instead of --restore-file/resume."
+            )
+
+
+# -- architectures ----------------------------------------------------------------------
+
+
+def _default(args, name, value):
+    # the plugin's flags have no argparse default, so None means "not given"
+    if getattr(args, name, None) is None:
+        setattr(args, name, value)
+
+
+@register_model_architecture("admin_transformer", "admin_transformer")
+def admin_base_architecture(args):
+    """Transformer base (512/2048/8 heads, 6L-6L) with Admin closed-form O(logn) omegas."""
+    _default(args, "admin_init", "closed-form")
+    _default(args, "admin_output_change_scale", "O(logn)")
+    _default(args, "admin_omega", "buffer")
+    base_architecture(args)
+
+
+@register_model_architecture("admin_transformer", "admin_transformer_tiny")
+def admin_transformer_tiny(args):
+    """64/64/2 heads, 2L-2L: for tests and smoke runs."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 64)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 64)
+    args.encoder_layers = getattr(args, "encoder_layers", 2)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 2)
+    args.decoder_layers = getattr(args, "decoder_layers", 2)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 2)
+    admin_base_architecture(args)
+
+
+@register_model_architecture("admin_transformer", "admin_transformer_iwslt_de_en")
+def admin_transformer_iwslt_de_en(args):
+    """IWSLT14 De-En small: 512/1024/4 heads, 6L-6L."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 512)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 1024)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 4)
+    args.encoder_layers = getattr(args, "encoder_layers", 6)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 512)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 1024)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 4)
+    args.decoder_layers = getattr(args, "decoder_layers", 6)
+    admin_base_architecture(args)
+
+
+@register_model_architecture("admin_transformer", "admin_transformer_wmt_en_de")
+def admin_transformer_wmt_en_de(args):
+    """WMT14 En-De base: 512/2048/8 heads, 6L-6L."""
+    admin_base_architecture(args)
+
+
+@register_model_architecture("admin_transformer", "admin_transformer_vaswani_wmt_en_de_big")
+def admin_transformer_vaswani_wmt_en_de_big(args):
+    """Transformer big: 1024/4096/16 heads, 6L-6L, dropout 0.3."""
+    args.encoder_embed_dim = getattr(args, "encoder_embed_dim", 1024)
+    args.encoder_ffn_embed_dim = getattr(args, "encoder_ffn_embed_dim", 4096)
+    args.encoder_attention_heads = getattr(args, "encoder_attention_heads", 16)
+    args.decoder_embed_dim = getattr(args, "decoder_embed_dim", 1024)
+    args.decoder_ffn_embed_dim = getattr(args, "decoder_ffn_embed_dim", 4096)
+    args.decoder_attention_heads = getattr(args, "decoder_attention_heads", 16)
+    args.dropout = getattr(args, "dropout", 0.3)
+    admin_base_architecture(args)
+
+
+# The published deep settings (Liu et al. 2020, Table 1; Liu, Liu & Gao 2020 for 60L-12L;
+# Transformer-Clinic for 100L-100L), all at WMT14 base width 512/2048/8 heads.
+DEEP_PRESETS = {
+    "6l_6l": (6, 6),
+    "12l_12l": (12, 12),
+    "18l_18l": (18, 18),
+    "60l_12l": (60, 12),
+    "100l_100l": (100, 100),
+}
+
+
+def _register_deep(name: str, enc: int, dec: int):
+    def arch(args):
+        args.encoder_layers = getattr(args, "encoder_layers", enc)
+        args.decoder_layers = getattr(args, "decoder_layers", dec)
+        admin_transformer_wmt_en_de(args)
+
+    arch.__doc__ = f"WMT14 base width 512/2048/8 heads, {enc}L encoder, {dec}L decoder."
+    arch.__name__ = f"admin_transformer_wmt_en_de_{name}"
+    register_model_architecture("admin_transformer", arch.__name__)(arch)
+
+
+for _name, (_enc, _dec) in DEEP_PRESETS.items():
+    _register_deep(_name, _enc, _dec)
