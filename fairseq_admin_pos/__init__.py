@@ -16,4 +16,6 @@ allow_fairseq_checkpoints()
 
 __version__ = "0.1.0"
 
-from fairseq_admin_pos import models  # noqa: E402,F401  (registers the fairseq model)
+from fairseq_admin_pos import cli_help, models  # noqa: E402,F401  (registers the fairseq model)
+
+cli_help.install()

@@ -34,7 +34,6 @@ so ``python -O`` keeps the checks), :func:`calculate_init` returns a Python
 """
 import math
 import numbers
-from typing import Optional
 
 import torch
 
@@ -88,6 +87,9 @@ def _check_embed_dim(embed_dim, why: str) -> int:
 
 
 def _check_init_value(init_value) -> float:
+    if isinstance(init_value, torch.Tensor) and init_value.numel() == 1 \
+            and init_value.is_floating_point():
+        init_value = init_value.item()  # admin-torch accepted one-element tensors too
     if isinstance(init_value, bool) or not isinstance(init_value, numbers.Real):
         raise ValueError(f"init_value must be a real number; got {init_value!r}")
     init_value = float(init_value)
@@ -128,7 +130,8 @@ class OmegaResidual(torch.nn.Module):
     Parameters
     ----------
     init_value: ``float``, required.
-        The initial value of the shortcut rescalar omega (a finite real number).
+        The initial value of the shortcut rescalar omega (a finite real number,
+        or a one-element floating-point tensor).
     as_parameter: ``bool``, optional (default = False).
         ``False``: omega is a persistent *buffer* of shape ``(1,)`` (not
         trained, saved in ``state_dict`` under ``'omega'``).
@@ -198,7 +201,8 @@ class OmegaResidual(torch.nn.Module):
 
     def extra_repr(self) -> str:
         if self.as_parameter:
-            return f"init_value={self.init_value:.6g}, as_parameter=True, embed_dim={self.embed_dim}"
+            return (f"init_value={self.init_value:.6g}, as_parameter=True, "
+                    f"embed_dim={self.embed_dim}")
         return f"init_value={self.init_value:.6g}, as_parameter=False"
 
 

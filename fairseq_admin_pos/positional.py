@@ -124,9 +124,10 @@ class SinusoidalEmbeddings(nn.Module):
     also pair sin and cos of one frequency, but concatenate the halves
     ``[sin | cos]`` with a slightly different frequency spacing.  With the
     seed layout the sine and cosine of a pair have different frequencies.
-    ``"seed"`` reproduces the seed's table value for value.  Note that the table is the weight of ``self.embedding`` and is
-    therefore saved in ``state_dict``: loading a checkpoint written by the
-    seed restores the seed's table whatever layout the module was built with.
+    ``"seed"`` reproduces the seed's table value for value.  Note that the
+    table is the weight of ``self.embedding`` and is therefore saved in
+    ``state_dict``: loading a checkpoint written by the seed restores the
+    seed's table whatever layout the module was built with.
 
     Learned scaling (``learnable_scaling=True``) follows FLASH (Hua et al.
     2022, "Transformer Quality in Linear Time", arXiv 2202.10447, Appendix D,
@@ -182,13 +183,15 @@ class SinusoidalEmbeddings(nn.Module):
         self.frequency_layout = _check_frequency_layout(frequency_layout)
         self.learnable_scaling = bool(learnable_scaling)
 
-        table = self.position_encoding_init(self.n_position, self.hidden_width, self.frequency_layout)
+        table = self.position_encoding_init(self.n_position, self.hidden_width,
+                                            self.frequency_layout)
         if self.padding_idx is not None:
             table[self.padding_idx].zero_()
         # from_pretrained keeps the table as given (it does not re-zero padding_idx)
         # and sets requires_grad=False; the table stays the weight of an nn.Embedding
         # so the state-dict key is the seed's ``embedding.weight``.
-        self.embedding = nn.Embedding.from_pretrained(table, freeze=True, padding_idx=self.padding_idx)
+        self.embedding = nn.Embedding.from_pretrained(table, freeze=True,
+                                                      padding_idx=self.padding_idx)
 
         if self.learnable_scaling:
             self.scaling = nn.Parameter(torch.full((1,), 1.0 / math.sqrt(self.hidden_width)))
@@ -269,12 +272,14 @@ class PositionalEmbeddings(nn.Module):
     and the offending max/min index) for out-of-range positions.
     """
 
-    def __init__(self, n_position: int, hidden_width: int, padding_idx: Optional[int] = None) -> None:
+    def __init__(self, n_position: int, hidden_width: int,
+                 padding_idx: Optional[int] = None) -> None:
         super().__init__()
         self.n_position = _check_positive_int(n_position, "n_position")
         self.hidden_width = _check_positive_int(hidden_width, "hidden_width")
         self.padding_idx = _check_padding_idx(padding_idx, self.n_position)
-        self.embedding = nn.Embedding(self.n_position, self.hidden_width, padding_idx=self.padding_idx)
+        self.embedding = nn.Embedding(self.n_position, self.hidden_width,
+                                      padding_idx=self.padding_idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Embed position indices of shape ``(*)`` into ``(*, H)``."""

@@ -10,6 +10,11 @@ omega comes from ``--admin-init``:
   with N the number of residual sub-layers of that stack: ``2 * encoder_layers`` for every
   encoder omega, ``3 * decoder_layers`` for every decoder omega (2 per layer without
   encoder attention);
+* ``profile``: Admin's profiling initialisation (the paper's own Admin): omega = 1 until the
+  first training forward, which measures the sub-layer output variances on the first
+  ``--admin-profile-batches`` batches (summed over data-parallel ranks), sets the omegas and
+  the persistent ``admin_profiled`` flag, then trains on; see ``models/admin_profile.py``
+  and ``fairseq_admin_pos/profiling.py``;
 * ``none``: omega = 1, which with ``--admin-omega buffer`` is exactly fairseq's ``transformer``
   (same parameters for the same seed, same loss, same translations).
 
@@ -40,6 +45,7 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from fairseq_admin_pos.admin import OmegaResidual, calculate_init
+from fairseq_admin_pos.models import admin_profile
 from fairseq_admin_pos.models.layers import (
     AdminTransformerDecoderLayer,
     AdminTransformerEncoderLayer,
@@ -48,7 +54,7 @@ from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, build_positions
 
 logger = logging.getLogger(__name__)
 
-ADMIN_INIT_CHOICES = ("closed-form", "none")
+ADMIN_INIT_CHOICES = ("closed-form", "profile", "none")
 OUTPUT_CHANGE_SCALES = ("O(logn)", "O(n)", "O(1)")
 OMEGA_FORMS = ("buffer", "parameter")
 
@@ -94,7 +100,8 @@ def num_residual_sublayers(cfg, side: str) -> int:
 
 
 def omega_init_value(cfg, side: str) -> float:
-    if cfg.admin_init == "none":
+    # profile: 1 until the first training batch is profiled (models/admin_profile.py)
+    if cfg.admin_init in ("none", "profile"):
         return 1.0
     return calculate_init(num_residual_sublayers(cfg, side), cfg.admin_output_change_scale)
 
@@ -239,13 +246,18 @@ class AdminTransformerModel(TransformerModel):
     @staticmethod
     def add_args(parser):
         TransformerModel.add_args(parser)
-        group = parser.add_argument_group("Admin residuals (fairseq_admin_pos)")
+        # fairseq hands us its "Model-specific configuration" group; argparse does not print
+        # groups nested in a group, so the flags go straight into it.
+        group = parser
         group.add_argument(
             "--admin-init",
             choices=ADMIN_INIT_CHOICES,
             help="how each residual sub-layer's omega in LN(x * omega + f(x)) is initialised: "
             "closed-form = sqrt of admin-torch's calculate_init(N) with N the residual "
             "sub-layers of that stack (2 per encoder layer, 3 per decoder layer); "
+            "profile = Admin's profiling (Liu et al. 2020): omegas from the output variances "
+            "measured on the first training batch(es) before the first update, in the same "
+            "fairseq-train command (see --admin-profile-*); "
             "none = omega 1 (stock Post-LN, or Pre-LN with --*-normalize-before). "
             "Default: closed-form",
         )
@@ -262,7 +274,6 @@ class AdminTransformerModel(TransformerModel):
             help="buffer: omega is one fixed scalar per sub-layer; parameter: a trainable "
             "vector of size embed_dim per sub-layer (Transformer-Clinic). Default: buffer",
         )
-        group = parser.add_argument_group("Absolute positions (fairseq_admin_pos)")
         for side in ("encoder", "decoder"):
             group.add_argument(
                 f"--{side}-pos-emb",
@@ -273,6 +284,7 @@ class AdminTransformerModel(TransformerModel):
                 f"none = no positions. Default: from --{side}-learned-pos / "
                 "--no-token-positional-embeddings, else sinusoidal",
             )
+        admin_profile.add_profile_args(group)
 
     @classmethod
     def build_model(cls, args, task):
@@ -280,9 +292,19 @@ class AdminTransformerModel(TransformerModel):
         resolve_position_flags(args)
         admin_settings(args)  # validates every choice with a message naming the flag
         check_normalize_before(args)
+        admin_profile.check_profile_flags(args)
         model = super().build_model(args, task)
         model.admin_settings = admin_settings(args)
+        if args.admin_init == "profile":
+            admin_profile.configure(model, args, task)
         return model
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, *args, **kwargs):
+        # --admin-init profile: the first training forward profiles (once) before the loss
+        profiler = getattr(self, "admin_profile", None)
+        if profiler is not None and self.training:
+            profiler.on_training_forward(self, src_tokens, src_lengths, prev_output_tokens)
+        return super().forward(src_tokens, src_lengths, prev_output_tokens, *args, **kwargs)
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):

@@ -1,0 +1,114 @@
+"""Shared helpers for tests that go through fairseq's command-line tools.
+
+Tiny, seeded, generated data (a reversal task) so tests never depend on ../shared or the
+network; the CLIs run as subprocesses of the test interpreter (``python -m fairseq_cli.*``)
+with ``--user-dir`` pointing at the package, exactly the path a user takes.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+USER_DIR = str(REPO / "fairseq_admin_pos")
+
+TINY_MODEL = [
+    "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "2", "--encoder-layers", "2",
+    "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+    "--decoder-attention-heads", "2", "--decoder-layers", "2",
+]
+
+TRAIN_COMMON = [
+    "--cpu", "--seed", "3", "--optimizer", "adam", "--lr", "1e-3",
+    "--max-tokens", "400", "--no-progress-bar", "--log-interval", "1",
+    "--log-format", "simple", "--num-workers", "0", "--disable-validation",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+]
+
+
+def env() -> Dict[str, str]:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"
+    e["MKL_NUM_THREADS"] = "1"
+    # make sure no test relies on the unsafe escape hatch
+    e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    e.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+    return e
+
+
+def write_reversal_corpus(folder: Path, n_train=240, n_valid=24, n_test=24, vocab=30, seed=0,
+                          max_len=9) -> None:
+    """target = source reversed; small enough that a 2-layer model learns something."""
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(vocab)]
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+        with open(folder / f"{split}.src", "w") as s, open(folder / f"{split}.tgt", "w") as t:
+            for _ in range(n):
+                sent = [rng.choice(words) for _ in range(rng.randint(3, max_len))]
+                s.write(" ".join(sent) + "\n")
+                t.write(" ".join(reversed(sent)) + "\n")
+
+
+def run(module: str, args: Sequence[str], cwd=None, check=True, timeout=600):
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def preprocess(raw: Path, dest: Path) -> Path:
+    run("fairseq_cli.preprocess", [
+        "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
+        "--destdir", dest, "--joined-dictionary", "--workers", "1",
+    ])
+    return dest
+
+
+def train(data: Path, save_dir: Path, arch: str, extra: Sequence[str] = (), max_update=3,
+          check=True):
+    return run("fairseq_cli.train", [
+        data, "--user-dir", USER_DIR, "--arch", arch, *TRAIN_COMMON,
+        "--max-update", str(max_update), "--save-dir", save_dir, *extra,
+    ], check=check)
+
+
+def generate(data: Path, ckpt: Path, extra: Sequence[str] = (), check=True):
+    return run("fairseq_cli.generate", [
+        data, "--user-dir", USER_DIR, "--path", ckpt, "--beam", "3", "--cpu",
+        "--batch-size", "8", "--num-workers", "0", *extra,
+    ], check=check)
+
+
+def hypotheses(generate_stdout: str) -> List[str]:
+    """``H-<id>\\tscore\\ttokens`` lines, sorted by sentence id."""
+    rows = []
+    for line in generate_stdout.splitlines():
+        if line.startswith("H-"):
+            sid, score, text = line.split("\t")
+            rows.append((int(sid[2:]), score, text))
+    return [f"{s}\t{t}" for _, s, t in sorted(rows)]
+
+
+def train_losses(stdout_and_err: str) -> List[str]:
+    """Per-update training losses as printed (fairseq logs to stderr)."""
+    return re.findall(r"\| train_inner \|.*? loss=([0-9.]+)", stdout_and_err)
+
+
+def load_model_state(ckpt: Path) -> Dict[str, torch.Tensor]:
+    import fairseq_admin_pos  # noqa: F401  (allow-list for weights_only loading)
+
+    return torch.load(ckpt, map_location="cpu")["model"]
