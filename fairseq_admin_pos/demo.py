@@ -1,0 +1,274 @@
+"""``make demo``: train a deep-encoder admin_transformer on Multi30k En-De on the CPU.
+
+Steps (each prints the command it runs and is skipped when its output is complete):
+
+1. raw text: ``{train,val,test_2016_flickr}.{en,de}[.gz]`` from ``--data`` (a folder), or
+   downloaded from the multi30k/dataset repository's ``data/task1/raw`` (override the base
+   URL with ``MULTI30K_BASE_URL``);
+2. a joint sentencepiece unigram vocabulary trained on the training side only;
+3. ``fairseq-preprocess --joined-dictionary``;
+4. ``fairseq-train --user-dir fairseq_admin_pos --arch admin_transformer`` with a deep encoder
+   (default 12L encoder, 3L decoder, width 128) and Admin closed-form omegas;
+5. ``fairseq-generate`` on test2016 with beam 4, then sacreBLEU against the raw references.
+
+Everything goes under ``--out``; ``results.json`` there holds the BLEU, its signature and
+timings. Defaults fit in about 15 minutes on 2 CPU cores.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import List, Sequence
+
+DEFAULT_BASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
+LANGS = ("en", "de")
+PKG_DIR = Path(__file__).resolve().parent
+
+
+def log(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def bin_path(tool: str) -> str:
+    # the console scripts live next to the interpreter running us (the project's venv)
+    candidate = Path(sys.executable).parent / tool
+    return str(candidate) if candidate.exists() else tool
+
+
+def run(cmd: Sequence[str], log_file: Path = None) -> None:
+    cmd = [str(c) for c in cmd]
+    print("+ " + " ".join(cmd), flush=True)
+    if log_file is None:
+        subprocess.run(cmd, check=True)
+        return
+    # stream to the console (the training log is the progress display) and to a file
+    with open(log_file, "a") as fh:
+        # torch's deprecation warnings about fairseq internals drown the training log
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env)
+        for line in proc.stdout:
+            fh.write(line)
+            if "| INFO |" not in line or any(k in line for k in ("train_inner", "valid |",
+                                                                  "train |", "done training")):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        if proc.wait() != 0:
+            raise SystemExit(f"[demo] command failed ({proc.returncode}); full log: {log_file}")
+
+
+def _read_lines(path: Path) -> List[str]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        return [line.rstrip("\n") for line in fh]
+
+
+def find_raw(data: Path, out: Path, base_url: str) -> Path:
+    """A folder with plain ``{split}.{lang}`` files, copied/decompressed into ``out/raw``."""
+    raw = out / "raw"
+    done = raw / ".done"
+    if done.exists():
+        return raw
+    raw.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS.values():
+        for lang in LANGS:
+            name = f"{split}.{lang}"
+            src = None
+            if data is not None:
+                for cand in (data / name, data / f"{name}.gz"):
+                    if cand.exists():
+                        src = cand
+                        break
+            if src is None:
+                if data is not None and data.exists():
+                    log(f"{name}(.gz) not in {data}; downloading it")
+                src = raw / f"{name}.gz"
+                url = f"{base_url.rstrip('/')}/{name}.gz"
+                log(f"download {url}")
+                try:
+                    with urllib.request.urlopen(url, timeout=60) as r, open(src, "wb") as fh:
+                        shutil.copyfileobj(r, fh)
+                except (urllib.error.URLError, OSError) as e:
+                    src.unlink(missing_ok=True)
+                    raise SystemExit(
+                        f"[demo] cannot find {name}(.gz) under --data {data} and cannot download "
+                        f"{url} ({e}). Pass --data with a folder holding Multi30k's raw files "
+                        f"(train/val/test_2016_flickr .en/.de, optionally .gz), or set "
+                        f"MULTI30K_BASE_URL to a reachable mirror."
+                    )
+            lines = _read_lines(src)
+            tmp = raw / f"{name}.tmp"
+            tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            tmp.rename(raw / name)
+    en, de = (len(_read_lines(raw / f"train.{lang}")) for lang in LANGS)
+    if en != de:
+        raise SystemExit(f"[demo] train.en has {en} lines but train.de has {de}")
+    done.touch()
+    return raw
+
+
+def sentencepiece(raw: Path, out: Path, vocab: int) -> Path:
+    import sentencepiece as spm
+
+    spm_dir = out / "spm"
+    done = spm_dir / ".done"
+    if done.exists():
+        return spm_dir
+    spm_dir.mkdir(parents=True, exist_ok=True)
+    prefix = spm_dir / "spm"
+    log(f"sentencepiece: joint unigram {vocab} on train.en + train.de (training side only)")
+    spm.SentencePieceTrainer.train(
+        input=f"{raw / 'train.en'},{raw / 'train.de'}", model_prefix=str(prefix),
+        vocab_size=vocab, model_type="unigram", character_coverage=1.0, input_sentence_size=0,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+    for key, split in SPLITS.items():
+        for lang in LANGS:
+            pieces = sp.encode(_read_lines(raw / f"{split}.{lang}"), out_type=str)
+            (spm_dir / f"{key}.{lang}").write_text(
+                "\n".join(" ".join(p) for p in pieces) + "\n", encoding="utf-8")
+    done.touch()
+    return spm_dir
+
+
+def preprocess(spm_dir: Path, out: Path) -> Path:
+    dest = out / "data-bin"
+    if (dest / ".done").exists():
+        return dest
+    if dest.exists():
+        shutil.rmtree(dest)  # half-written by an interrupted run
+    run([bin_path("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
+         "--trainpref", spm_dir / "train", "--validpref", spm_dir / "valid",
+         "--testpref", spm_dir / "test", "--destdir", dest, "--joined-dictionary",
+         "--workers", "2"])
+    (dest / ".done").touch()
+    return dest
+
+
+def train_command(args, data_bin: Path, save_dir: Path) -> List[str]:
+    return [
+        bin_path("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
+        "--arch", "admin_transformer", "--cpu", "--seed", str(args.seed),
+        "--encoder-layers", str(args.encoder_layers), "--decoder-layers", str(args.decoder_layers),
+        "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
+        "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
+        "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+        "--admin-init", args.admin_init, "--admin-omega", "parameter",
+        "--share-all-embeddings", "--dropout", "0.1",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+        "--lr", str(args.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(args.warmup),
+        "--warmup-init-lr", "1e-07",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", str(args.max_tokens), "--max-update", str(args.max_update),
+        "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval-updates",
+        str(args.save_interval_updates), "--keep-interval-updates", "1",
+        "--log-format", "simple", "--log-interval", "20", "--no-progress-bar",
+        "--num-workers", "0",
+    ]
+
+
+def generate_and_score(args, data_bin: Path, raw: Path, ckpt: Path, out: Path) -> dict:
+    import sacrebleu
+
+    gen_out = out / "generate-test.txt"
+    cmd = [bin_path("fairseq-generate"), data_bin, "--user-dir", PKG_DIR, "--path", ckpt,
+           "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--batch-size", "64",
+           # Multi30k targets are at most ~1.2x the source; fairseq's default 200 tokens would
+           # let an undertrained model babble for minutes
+           "--max-len-a", "1.2", "--max-len-b", "10",
+           "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", "0"]
+    print("+ " + " ".join(map(str, cmd)) + f" > {gen_out}", flush=True)
+    t0 = time.time()
+    with open(gen_out, "w") as fh:
+        subprocess.run([str(c) for c in cmd], check=True, stdout=fh)
+    gen_seconds = time.time() - t0
+    hyps = {}
+    for line in gen_out.read_text(encoding="utf-8").splitlines():
+        if line.startswith("D-"):
+            sid, _, text = line.split("\t", 2)
+            hyps[int(sid[2:])] = text
+    refs = _read_lines(raw / f"{SPLITS['test']}.de")
+    srcs = _read_lines(raw / f"{SPLITS['test']}.en")
+    if len(hyps) != len(refs):
+        raise SystemExit(f"[demo] generated {len(hyps)} translations for {len(refs)} references")
+    ordered = [hyps[i] for i in range(len(refs))]
+    (out / "test.hyp.de").write_text("\n".join(ordered) + "\n", encoding="utf-8")
+    metric = sacrebleu.metrics.BLEU()
+    score = metric.corpus_score(ordered, [refs])
+    print("\nSample translations (test2016):")
+    for i in (0, 1, 2, 100, 500):
+        if i < len(refs):
+            print(f"  SRC {srcs[i]}\n  REF {refs[i]}\n  HYP {ordered[i]}\n")
+    return {"bleu": round(score.score, 2), "signature": str(metric.get_signature()),
+            "sacrebleu": str(score), "generate_seconds": round(gen_seconds, 1),
+            "test_sentences": len(refs)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", type=Path, default=None,
+                   help="folder with Multi30k raw files (train/val/test_2016_flickr .en/.de, "
+                   ".gz or plain); missing files are downloaded")
+    p.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder (default demo_out)")
+    p.add_argument("--encoder-layers", type=int, default=12, help="encoder depth (default 12)")
+    p.add_argument("--decoder-layers", type=int, default=3, help="decoder depth (default 3)")
+    p.add_argument("--dim", type=int, default=128, help="model width; FFN is 4x (default 128)")
+    p.add_argument("--admin-init", default="closed-form", choices=("closed-form", "none"),
+                   help="omega initialisation (none = the Post-LN baseline)")
+    p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece size (default 8000)")
+    p.add_argument("--max-update", type=int, default=1100, help="training updates (default 1100)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--warmup", type=int, default=400, help="warmup updates (default 400)")
+    p.add_argument("--save-interval-updates", type=int, default=200,
+                   help="checkpoint every N updates, so an interrupted demo resumes (default 200)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    args = p.parse_args(argv)
+    for name in ("encoder_layers", "decoder_layers", "dim", "vocab", "max_update", "max_tokens"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.dim % 4:
+        p.error("--dim must be divisible by the 4 attention heads")
+    if args.data is not None and not args.data.is_dir():
+        log(f"--data {args.data} is not a folder; Multi30k will be downloaded")
+        args.data = None
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"writing everything under {out}")
+    t_start = time.time()
+    raw = find_raw(args.data.resolve() if args.data else None, out,
+                   os.environ.get("MULTI30K_BASE_URL", DEFAULT_BASE_URL))
+    spm_dir = sentencepiece(raw, out, args.vocab)
+    data_bin = preprocess(spm_dir, out)
+
+    save_dir = out / "checkpoints"
+    t_train = time.time()
+    run(train_command(args, data_bin, save_dir), log_file=out / "train.log")
+    train_seconds = time.time() - t_train
+    result = generate_and_score(args, data_bin, raw, save_dir / "checkpoint_last.pt", out)
+    result.update({
+        "arch": f"admin_transformer {args.encoder_layers}L-{args.decoder_layers}L d={args.dim}",
+        "admin_init": args.admin_init, "max_update": args.max_update,
+        "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
+    })
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"sacreBLEU on test2016: {result['sacrebleu']}")
+    print(f"signature: {result['signature']}")
+    log(f"done in {result['total_seconds']:.0f}s; results in {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""``make demo``'s pipeline (fairseq_admin_pos.demo) on a tiny Multi30k-shaped corpus."""
+import gzip
+import json
+import random
+import socket
+import subprocess
+import sys
+
+import sacrebleu
+
+from fairseq_cli_utils import REPO, env
+
+SPLITS = {"train": 300, "val": 20, "test_2016_flickr": 20}
+
+
+def write_fake_multi30k(folder, gz=True):
+    rng = random.Random(0)
+    en_words = ["a", "man", "woman", "dog", "runs", "sits", "on", "the", "grass", "street", "red"]
+    to_de = dict(zip(en_words, ["ein", "Mann", "Frau", "Hund", "läuft", "sitzt", "auf", "dem",
+                                "Gras", "Straße", "rot"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in SPLITS.items():
+        en, de = [], []
+        for _ in range(n):
+            s = [rng.choice(en_words) for _ in range(rng.randint(3, 7))]
+            en.append(" ".join(s).capitalize() + ".")
+            de.append(" ".join(to_de[w] for w in s).capitalize() + ".")
+        for lang, lines in (("en", en), ("de", de)):
+            text = "\n".join(lines) + "\n"
+            if gz:
+                with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as fh:
+                    fh.write(text)
+            else:
+                (folder / f"{split}.{lang}").write_text(text, encoding="utf-8")
+
+
+def run_demo(args, **kw):
+    return subprocess.run([sys.executable, "-m", "fairseq_admin_pos.demo", *map(str, args)],
+                          cwd=REPO, env=kw.pop("env", env()), capture_output=True, text=True,
+                          timeout=600, **kw)
+
+
+def test_demo_end_to_end(tmp_path):
+    write_fake_multi30k(tmp_path / "m30k")
+    out = tmp_path / "out"
+    args = ["--data", tmp_path / "m30k", "--out", out, "--encoder-layers", "3",
+            "--decoder-layers", "1", "--dim", "32", "--vocab", "60", "--max-update", "6",
+            "--max-tokens", "600", "--warmup", "2", "--save-interval-updates", "3"]
+    proc = run_demo(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # each fairseq command is printed, with the plugin and a deep-encoder Admin model
+    assert "+ " in proc.stdout and "fairseq-train" in proc.stdout
+    assert "--user-dir" in proc.stdout and "--arch admin_transformer" in proc.stdout
+    assert "--encoder-layers 3" in proc.stdout and "--admin-init closed-form" in proc.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert res["test_sentences"] == SPLITS["test_2016_flickr"]
+    # BLEU recomputed independently from the written hypotheses and the raw references
+    hyps = (out / "test.hyp.de").read_text(encoding="utf-8").splitlines()
+    with gzip.open(tmp_path / "m30k" / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as fh:
+        refs = fh.read().splitlines()
+    assert len(hyps) == len(refs)
+    assert abs(sacrebleu.corpus_bleu(hyps, [refs]).score - res["bleu"]) < 0.01
+    assert res["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert f"signature: {res['signature']}" in proc.stdout
+    # a second run resumes: every step is complete, training is already at --max-update
+    again = run_demo(args)
+    assert again.returncode == 0
+    assert "fairseq-preprocess" not in again.stdout
+    assert "num_updates 6" in (out / "train.log").read_text()
+
+
+def test_demo_missing_data_and_no_network_is_a_clear_error(tmp_path):
+    write_fake_multi30k(tmp_path / "m30k", gz=False)
+    (tmp_path / "m30k" / "val.de").unlink()
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    e = env()
+    e["MULTI30K_BASE_URL"] = f"http://127.0.0.1:{port}/raw"
+    proc = run_demo(["--data", tmp_path / "m30k", "--out", tmp_path / "out"], env=e)
+    assert proc.returncode != 0
+    assert "cannot find val.de(.gz)" in proc.stderr and "MULTI30K_BASE_URL" in proc.stderr
+    assert "Traceback" not in proc.stderr
