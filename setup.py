@@ -29,7 +29,9 @@ setup(
         "plot": ["matplotlib==3.11.2"],
     },
     entry_points={
-        "console_scripts": [],
+        "console_scripts": [
+            "fairseq-admin-analyze = fairseq_admin_pos.analyze:cli_main",
+        ],
     },
     classifiers=[
         "Programming Language :: Python :: 3.11",

@@ -8,7 +8,8 @@ in machine load hit both. Per worker:
 
 * training words/s: target tokens / wall time of ``Trainer.train_step`` over the timed updates
   (fairseq's own trainer, as in ``fairseq-train``), after warm-up updates;
-* generation sentences/s: fairseq's ``SequenceGenerator`` (beam 4) over the same test batches;
+* generation sentences/s: fairseq's ``SequenceGenerator`` (beam 4, exactly 30 decoding steps
+  so both models do the same work) over the same test batches;
 * peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the peak resident set size
   (``ru_maxrss``) minus the resident size before the first update, i.e. what training adds on
   top of the process, model and data.
@@ -102,7 +103,10 @@ def worker(args) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
 
     model.eval()
-    gen = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_b=50)
+    # untrained models stop at different lengths; decoding exactly 30 steps for both makes
+    # sentences/s compare the same work
+    gen = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_a=0,
+                            max_len_b=30, min_len=30)
     test_itr = task.get_batch_iterator(
         dataset=task.dataset("test"), max_sentences=64, seed=1,
     ).next_epoch_itr(shuffle=False)

@@ -21,6 +21,27 @@ omega comes from ``--admin-init``:
 ``--admin-omega buffer`` keeps omega a fixed scalar buffer; ``parameter`` makes it a trainable
 vector of size ``embed_dim`` (Transformer-Clinic's form).
 
+``--admin-residual`` swaps the residual scheme for Admin's rivals, one flag apart
+(formulas, constants and papers in :mod:`fairseq_admin_pos.schemes`):
+
+* ``admin`` (default): the above;
+* ``deepnorm``: ``LN(alpha * x + f(x))`` with DeepNet's alpha per stack (a float32 buffer in
+  the ``omega`` slot), and the FFN, value and output projections re-drawn Xavier-normal with
+  gain beta (q/k gain 1) right after fairseq built each layer, encoder and decoder with
+  their own constants;
+* ``rezero``: ``x + a * f(x)``, ``a`` a trainable scalar starting at 0, the sub-layer
+  LayerNorms replaced by identities (each stack is the identity at initialisation);
+* ``rezero-post-ln``: ``LN(x + a * f(x))``.
+
+The rivals set the shortcut weights themselves: ``--admin-init`` defaults to ``none`` for
+them and any other value, ``--admin-omega parameter`` or Pre-LN
+(``--*-normalize-before``) is refused with an error naming the flags.
+
+Mixed precision (``--fp16``/``--bf16``): fixed omegas and DeepNorm alphas stay float32
+when fairseq casts the model and the residual sum is computed in float32
+(:class:`fairseq_admin_pos.schemes.Float32OmegaResidual`); trainable omegas and ReZero's
+``a`` are ordinary parameters with fairseq's float32 master copies.
+
 The settings are stored in the model's state dict (``_extra_state``); loading a checkpoint
 whose settings differ from the flags given raises a ``ValueError`` that names them, instead of
 silently running with other omegas or positions.
@@ -44,13 +65,20 @@ from fairseq.models.transformer import (
 from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from fairseq_admin_pos.admin import OmegaResidual, calculate_init
+from fairseq_admin_pos.admin import calculate_init
 from fairseq_admin_pos.models import admin_profile
 from fairseq_admin_pos.models.layers import (
     AdminTransformerDecoderLayer,
     AdminTransformerEncoderLayer,
 )
 from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, build_positions
+from fairseq_admin_pos.schemes import (
+    RESIDUAL_SCHEMES,
+    Float32OmegaResidual,
+    ReZeroResidual,
+    deepnorm_constants,
+    deepnorm_init_,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +88,7 @@ OMEGA_FORMS = ("buffer", "parameter")
 
 # the flags whose values define the model's omegas and positions (checked on load)
 SETTING_KEYS = (
+    "admin_residual",
     "admin_init",
     "admin_output_change_scale",
     "admin_omega",
@@ -79,6 +108,7 @@ def _choice(cfg, name: str, choices) -> str:
 def admin_settings(cfg) -> Dict[str, str]:
     """The validated plugin settings from an args namespace or TransformerConfig."""
     settings = {
+        "admin_residual": _choice(cfg, "admin_residual", RESIDUAL_SCHEMES),
         "admin_init": _choice(cfg, "admin_init", ADMIN_INIT_CHOICES),
         "admin_output_change_scale": _choice(
             cfg, "admin_output_change_scale", OUTPUT_CHANGE_SCALES
@@ -106,15 +136,47 @@ def omega_init_value(cfg, side: str) -> float:
     return calculate_init(num_residual_sublayers(cfg, side), cfg.admin_output_change_scale)
 
 
+def residual_scheme(cfg) -> str:
+    # checkpoints and configs from before --admin-residual existed are Admin models
+    return getattr(cfg, "admin_residual", None) or "admin"
+
+
+def deepnorm_side_constants(cfg, side: str):
+    """``(alpha, beta)`` of DeepNorm for one stack (N, M = encoder, decoder layers)."""
+    c = deepnorm_constants(cfg.encoder.layers, cfg.decoder.layers)
+    if side == "encoder":
+        return c.encoder_alpha, c.encoder_beta
+    return c.decoder_alpha, c.decoder_beta
+
+
 def residual_factory(cfg, side: str):
-    """``embed_dim -> OmegaResidual`` with this side's initial omega and the chosen form."""
+    """``embed_dim -> residual module`` for this side and ``--admin-residual``.
+
+    admin: :class:`Float32OmegaResidual` with this side's initial omega and the chosen form;
+    deepnorm: the same with omega = DeepNorm's alpha of this side (a float32 buffer);
+    rezero / rezero-post-ln: :class:`ReZeroResidual` (``x + a * f_x``, ``a`` = 0).
+    """
+    scheme = residual_scheme(cfg)
+    if scheme in ("rezero", "rezero-post-ln"):
+        return lambda embed_dim: ReZeroResidual(0.0)
+    if scheme == "deepnorm":
+        alpha = deepnorm_side_constants(cfg, side)[0]
+        return lambda embed_dim: Float32OmegaResidual(alpha, as_parameter=False)
     init = omega_init_value(cfg, side)
     as_parameter = cfg.admin_omega == "parameter"
 
     def build(embed_dim: int) -> nn.Module:
-        return OmegaResidual(init, as_parameter=as_parameter, embed_dim=embed_dim)
+        return Float32OmegaResidual(init, as_parameter=as_parameter, embed_dim=embed_dim)
 
     return build
+
+
+def _scheme_layer(cfg, side: str, layer: nn.Module) -> nn.Module:
+    # DeepNorm re-draws the FFN/value/output projections after fairseq's init (beta of this
+    # side); nothing to do for the other schemes
+    if residual_scheme(cfg) == "deepnorm":
+        deepnorm_init_(layer, deepnorm_side_constants(cfg, side)[1])
+    return layer
 
 
 def _wrap_layer(cfg, layer: nn.Module) -> nn.Module:
@@ -143,9 +205,12 @@ class AdminTransformerEncoder(TransformerEncoderBase):
 
     def build_encoder_layer(self, cfg):
         layer = AdminTransformerEncoderLayer(
-            cfg, residual_factory(cfg, "encoder"), return_fc=self.return_fc
+            cfg,
+            residual_factory(cfg, "encoder"),
+            return_fc=self.return_fc,
+            sublayer_layer_norm=residual_scheme(cfg) != "rezero",
         )
-        return _wrap_layer(cfg, layer)
+        return _wrap_layer(cfg, _scheme_layer(cfg, "encoder", layer))
 
 
 class AdminTransformerDecoder(TransformerDecoderBase):
@@ -169,9 +234,12 @@ class AdminTransformerDecoder(TransformerDecoderBase):
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         layer = AdminTransformerDecoderLayer(
-            cfg, residual_factory(cfg, "decoder"), no_encoder_attn=no_encoder_attn
+            cfg,
+            residual_factory(cfg, "decoder"),
+            no_encoder_attn=no_encoder_attn,
+            sublayer_layer_norm=residual_scheme(cfg) != "rezero",
         )
-        return _wrap_layer(cfg, layer)
+        return _wrap_layer(cfg, _scheme_layer(cfg, "decoder", layer))
 
 
 def resolve_position_flags(args) -> None:
@@ -231,6 +299,41 @@ def check_normalize_before(args) -> None:
         )
 
 
+def check_residual_scheme(args) -> None:
+    """DeepNorm and ReZero set their shortcut weights themselves and are Post-LN (or LN-free)
+    schemes: refuse the combinations that would silently mean something else."""
+    scheme = args.admin_residual
+    if scheme == "admin":
+        return
+    if args.admin_init != "none":
+        raise ValueError(
+            f"--admin-residual {scheme} sets its own shortcut weights; it cannot be combined "
+            f"with --admin-init {args.admin_init} (drop --admin-init: it defaults to none for "
+            f"{scheme}), or use --admin-residual admin for Admin's omegas"
+        )
+    if args.admin_omega != "buffer":
+        raise ValueError(
+            f"--admin-omega {args.admin_omega} is Admin's trainable omega and does not apply "
+            f"to --admin-residual {scheme} (DeepNorm's alpha is a constant, ReZero's scalar is "
+            "always trained); drop --admin-omega"
+        )
+    pre_ln = [
+        flag
+        for flag, on in (
+            ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
+            ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
+        )
+        if on
+    ]
+    if pre_ln:
+        kind = "has no sub-layer LayerNorm" if scheme == "rezero" else "is a Post-LN scheme"
+        raise ValueError(
+            f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-residual "
+            f"{scheme}: {scheme} {kind}. For the Pre-LN baseline use --admin-residual admin "
+            "--admin-init none"
+        )
+
+
 @register_model("admin_transformer")
 class AdminTransformerModel(TransformerModel):
     """Transformer encoder-decoder (Vaswani et al. 2017) with Admin residuals.
@@ -249,6 +352,16 @@ class AdminTransformerModel(TransformerModel):
         # fairseq hands us its "Model-specific configuration" group; argparse does not print
         # groups nested in a group, so the flags go straight into it.
         group = parser
+        group.add_argument(
+            "--admin-residual",
+            choices=RESIDUAL_SCHEMES,
+            help="residual scheme of every sub-layer: admin = LN(x * omega + f(x)) (Liu et al. "
+            "2020, see --admin-init); deepnorm = LN(alpha * x + f(x)) with DeepNet's alpha and "
+            "beta-scaled init (Wang et al. 2022, arXiv 2203.00555); rezero = x + a * f(x), a "
+            "a trainable scalar from 0, no LayerNorm (Bachlechner et al. 2020, arXiv "
+            "2003.04887); rezero-post-ln = LN(x + a * f(x)). The rivals of admin take no "
+            "--admin-init/--admin-omega and no Pre-LN. Default: admin",
+        )
         group.add_argument(
             "--admin-init",
             choices=ADMIN_INIT_CHOICES,
@@ -292,6 +405,7 @@ class AdminTransformerModel(TransformerModel):
         resolve_position_flags(args)
         admin_settings(args)  # validates every choice with a message naming the flag
         check_normalize_before(args)
+        check_residual_scheme(args)
         admin_profile.check_profile_flags(args)
         model = super().build_model(args, task)
         model.admin_settings = admin_settings(args)
@@ -349,7 +463,9 @@ def _default(args, name, value):
 @register_model_architecture("admin_transformer", "admin_transformer")
 def admin_base_architecture(args):
     """Transformer base (512/2048/8 heads, 6L-6L) with Admin closed-form O(logn) omegas."""
-    _default(args, "admin_init", "closed-form")
+    _default(args, "admin_residual", "admin")
+    # DeepNorm/ReZero set their own shortcut weights: Admin's omega stays 1 for them
+    _default(args, "admin_init", "closed-form" if args.admin_residual == "admin" else "none")
     _default(args, "admin_output_change_scale", "O(logn)")
     _default(args, "admin_omega", "buffer")
     base_architecture(args)

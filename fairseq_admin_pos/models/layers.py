@@ -14,7 +14,9 @@ A residual module is called as ``residual_module(x, f_x)`` with ``x`` the sub-la
 :class:`fairseq_admin_pos.admin.OmegaResidual` this is Admin's ``x * omega + f_x``; with
 omega == 1 as a buffer it is bit-for-bit fairseq's ``x + f_x``. Because the residual modules
 are ordinary submodules, forward hooks on them see every sub-layer's shortcut and branch
-in execution order, which is what the profiling initialisation uses.
+in execution order, which is what the profiling initialisation uses. The residual schemes
+of :mod:`fairseq_admin_pos.schemes` (DeepNorm, ReZero) are residual modules too; ReZero
+without LayerNorm also builds the layers with ``sublayer_layer_norm=False``.
 """
 from __future__ import annotations
 
@@ -32,20 +34,41 @@ from fairseq.modules.transformer_layer import (
 # (embed_dim) -> residual module; built by the model from its flags.
 ResidualFactory = Callable[[int], nn.Module]
 
+#: the per-sub-layer LayerNorms of fairseq's layers (encoder: 2, decoder: 3)
+SUBLAYER_LAYER_NORMS = ("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
+
+
+def _drop_sublayer_layer_norms(layer: nn.Module) -> None:
+    # ReZero without LayerNorm (``--admin-residual rezero``): the sub-layer LNs become
+    # identities *after* fairseq built them. LayerNorm init draws no random numbers, so the
+    # other weights are the same as with LNs, and the forward code stays the same.
+    for name in SUBLAYER_LAYER_NORMS:
+        if getattr(layer, name, None) is not None:
+            setattr(layer, name, nn.Identity())
+
 
 class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
     """fairseq encoder layer with a residual module per sub-layer.
 
     Post-LN: ``x = LN(res(x, dropout(f(x))))`` for f in (self-attention, FFN).
     Pre-LN:  ``x = res(x, dropout(f(LN(x))))`` (only with omega == 1, checked by the model).
+    ``sublayer_layer_norm=False`` (ReZero): ``x = res(x, dropout(f(x)))``, LNs are identities.
 
     Shapes: ``x`` is ``(T, B, C)``, ``encoder_padding_mask`` ``(B, T)`` with True at pads.
     """
 
-    def __init__(self, cfg, residual_factory: ResidualFactory, return_fc: bool = False):
+    def __init__(
+        self,
+        cfg,
+        residual_factory: ResidualFactory,
+        return_fc: bool = False,
+        sublayer_layer_norm: bool = True,
+    ):
         super().__init__(cfg, return_fc=return_fc)
         self.self_attn_residual = residual_factory(self.embed_dim)
         self.final_residual = residual_factory(self.embed_dim)
+        if not sublayer_layer_norm:
+            _drop_sublayer_layer_norms(self)
 
     def forward(
         self,
@@ -96,7 +119,8 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
     """fairseq decoder layer with a residual module per sub-layer.
 
     Post-LN: ``x = LN(res(x, dropout(f(x))))`` for f in (masked self-attention,
-    encoder-attention, FFN). Incremental decoding works as in fairseq: the residual modules
+    encoder-attention, FFN); ``sublayer_layer_norm=False`` (ReZero) makes the LNs
+    identities. Incremental decoding works as in fairseq: the residual modules
     are position-wise, so a single step sees exactly what a full forward sees at that step.
 
     Shapes: ``x`` is ``(T_tgt, B, C)``, ``encoder_out`` ``(T_src, B, C_enc)``.
@@ -109,6 +133,7 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
         no_encoder_attn: bool = False,
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
+        sublayer_layer_norm: bool = True,
     ):
         super().__init__(
             cfg,
@@ -121,6 +146,8 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
             residual_factory(self.embed_dim) if self.encoder_attn is not None else None
         )
         self.final_residual = residual_factory(self.embed_dim)
+        if not sublayer_layer_norm:
+            _drop_sublayer_layer_norms(self)
 
     def forward(
         self,
