@@ -7,7 +7,7 @@ See README.md, "Installation".
 """
 from setuptools import find_packages, setup
 
-TEST_REQUIRES = ["pytest==9.2.0"]
+TEST_REQUIRES = ["pytest==9.2.0", "pytest-xdist==3.8.0"]
 
 setup(
     name="fairseq-admin-pos",
@@ -31,6 +31,7 @@ setup(
     entry_points={
         "console_scripts": [
             "fairseq-admin-analyze = fairseq_admin_pos.analyze:cli_main",
+            "fairseq-admin-average-checkpoints = fairseq_admin_pos.average_checkpoints:cli_main",
         ],
     },
     classifiers=[

@@ -1,0 +1,192 @@
+"""``fairseq-admin-analyze``: omegas and output change at initialisation.
+
+A small CPU run of the real tool (subprocess, as a user runs it) must show the shape the
+paper predicts: Post-LN's output change grows at least proportionally to depth, Admin's
+clearly slower. The measurement itself is checked against an independent computation
+(``torch.func.functional_call`` with separately perturbed weights) and the closed-form
+omegas against the formula written out here.
+"""
+import csv
+import math
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+
+from fairseq_cli_utils import REPO, env
+
+from fairseq_admin_pos import analyze
+
+SMALL = ["--embed-dim", "16", "--ffn-dim", "32", "--heads", "2"]
+DEPTHS = [1, 2, 4, 8]
+
+
+def run_tool(args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "fairseq_admin_pos.analyze", *map(str, args)],
+                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("analysis")
+    proc = run_tool([*SMALL, "--depths", ",".join(map(str, DEPTHS)), "--seeds", "1,2,3",
+                     "--trials", "2", "--out-dir", out])
+    return out, proc.stdout
+
+
+def mean_by_variant(out):
+    acc = defaultdict(lambda: defaultdict(list))
+    with open(out / "output_change.csv") as f:
+        for row in csv.DictReader(f):
+            acc[row["variant"]][int(row["encoder_layers"])].append(
+                (float(row["encoder_change"]), float(row["decoder_change"])))
+    return {v: {n: tuple(sum(x) / len(x) for x in zip(*rows)) for n, rows in by_n.items()}
+            for v, by_n in acc.items()}
+
+
+def test_post_ln_grows_with_depth_admin_clearly_slower(small_run):
+    out, stdout = small_run
+    m = mean_by_variant(out)
+    assert set(m) == {"post-ln", "pre-ln", "admin-closed-form", "admin-profile"}
+    depth_ratio = DEPTHS[-1] / DEPTHS[0]
+    growth = {v: m[v][DEPTHS[-1]][0] / m[v][DEPTHS[0]][0] for v in m}  # encoder output
+    # Post-LN: at least proportional to depth (the paper: O(N))
+    assert growth["post-ln"] >= depth_ratio, growth
+    # Admin closed-form: clearly slower (O(log N)); profiled Admin and Pre-LN: slower
+    assert growth["admin-closed-form"] <= 0.5 * growth["post-ln"], growth
+    assert growth["admin-closed-form"] < depth_ratio, growth
+    assert growth["admin-profile"] < growth["post-ln"], growth
+    assert growth["pre-ln"] < growth["post-ln"], growth
+    # at the largest depth Admin changes the output less than Post-LN (both outputs)
+    for which in (0, 1):
+        assert m["admin-closed-form"][DEPTHS[-1]][which] < m["post-ln"][DEPTHS[-1]][which]
+    # the printed table has the same growth figures
+    for v in m:
+        line = next(l for l in stdout.splitlines() if l.startswith(v) and "encoder" in l)
+        assert f"{growth[v]:.2f}x" in line
+
+
+def test_files_and_omegas(small_run):
+    out, stdout = small_run
+    png = (out / "output_change.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10000
+    assert "wrote" in stdout and "growth" in stdout
+    rows = list(csv.DictReader(open(out / "omegas.csv")))
+    # one row per sub-layer: 2N encoder + 3N decoder, per variant, depth and seed
+    assert len(rows) == 4 * 3 * sum(5 * n for n in DEPTHS)
+    om = defaultdict(list)
+    for r in rows:
+        om[(r["variant"], int(r["encoder_layers"]), r["seed"], r["stack"])].append(float(r["omega"]))
+    for n in DEPTHS:
+        for stack, subl in (("encoder", 2 * n), ("decoder", 3 * n)):
+            closed = math.sqrt((subl + 1) / math.log(subl + 1) - 1)  # admin-torch O(log N)
+            assert om[("admin-closed-form", n, "1", stack)] == pytest.approx([closed] * subl, abs=1e-6)
+            assert om[("post-ln", n, "1", stack)] == [1.0] * subl
+            assert om[("pre-ln", n, "1", stack)] == [1.0] * subl
+            prof = om[("admin-profile", n, "2", stack)]
+            assert len(prof) == subl and prof[0] == 1.0
+            assert all(b > a for a, b in zip(prof, prof[1:]))
+
+
+def _tiny_model(depth=2, variant="post-ln", seed=1, tmp=None):
+    analyze._write_dicts(str(tmp), 50)
+    size = ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim",
+            "32", "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+            "--decoder-attention-heads", "2", "--encoder-layers", str(depth), "--decoder-layers",
+            str(depth)]
+    model, task = analyze.build_model(str(tmp), ("src", "tgt"),
+                                      size + list(analyze.VARIANTS[variant].model_args), seed)
+    return model, analyze.random_batch(task, 6, 9, seed)
+
+
+@pytest.mark.parametrize("variant", ["post-ln", "admin-closed-form"])
+def test_output_change_matches_functional_recomputation(tmp_path, variant):
+    model, n = _tiny_model(3, variant, tmp=tmp_path)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    eps, seed = 0.05, 11
+    enc, dec = analyze.output_change(model, n, eps, 1, "branches", seed)
+    # the weights are restored exactly
+    assert all(torch.equal(before[k], v) for k, v in model.named_parameters())
+
+    # independent: perturbed copies of the branch weights, fed through functional_call
+    g = torch.Generator().manual_seed(seed)
+    perturbed = {}
+    for name, p in model.named_parameters():
+        if ".layers." in name and "layer_norm" not in name and not name.endswith("omega"):
+            rms = float(torch.sqrt(torch.mean(p.detach().double() ** 2)))
+            perturbed[name] = p.detach() + eps * rms * torch.randn(p.shape, generator=g)
+    # per layer: (q, k, v, out) x (weight, bias) per attention + fc1/fc2 (weight, bias)
+    assert len(perturbed) == 3 * (8 + 4) + 3 * (16 + 4)
+
+    def outputs(params):
+        sub = lambda prefix: {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+        with torch.no_grad():
+            e = torch.func.functional_call(model.encoder, sub("encoder."), (n["src_tokens"],),
+                                           {"src_lengths": n["src_lengths"]})
+            d = torch.func.functional_call(model.decoder, sub("decoder."),
+                                           (n["prev_output_tokens"],),
+                                           {"encoder_out": e, "features_only": True})[0]
+        return e["encoder_out"][0].transpose(0, 1), d
+
+    e0, d0 = outputs({})
+    e1, d1 = outputs(perturbed)
+    ms = n["src_tokens"] != model.encoder.padding_idx
+    mt = n["prev_output_tokens"] != model.decoder.padding_idx
+    ref_enc = ((e1 - e0)[ms].double() ** 2).sum() / (e0[ms].double() ** 2).sum()
+    ref_dec = ((d1 - d0)[mt].double() ** 2).sum() / (d0[mt].double() ** 2).sum()
+    assert enc == pytest.approx(float(ref_enc), rel=1e-4)
+    assert dec == pytest.approx(float(ref_dec), rel=1e-4)
+    assert enc > 0 and dec > 0
+
+
+def test_output_change_is_quadratic_in_small_eps(tmp_path):
+    model, n = _tiny_model(2, "post-ln", tmp=tmp_path)
+    small = analyze.output_change(model, n, 1e-4, 2, "branches", 3)
+    double = analyze.output_change(model, n, 2e-4, 2, "branches", 3)
+    for a, b in zip(small, double):
+        assert b / a == pytest.approx(4.0, rel=0.02)
+    # perturbing every parameter (LayerNorms and embeddings too) changes the output more
+    every = analyze.output_change(model, n, 1e-4, 2, "all", 3)
+    assert every[0] > small[0]
+
+
+def test_variants_registry_takes_new_entries(monkeypatch, tmp_path):
+    monkeypatch.setitem(analyze.VARIANTS, "admin-o1", analyze.Variant(
+        "Admin O(1)", ("--admin-init", "closed-form", "--admin-output-change-scale", "O(1)")))
+    args = analyze.get_parser().parse_args(
+        [*SMALL, "--depths", "1,2", "--variants", "admin-o1,post-ln", "--trials", "1",
+         "--out-dir", str(tmp_path)])
+    results = analyze.run_analysis(args)
+    r = next(r for r in results if r.variant == "admin-o1" and r.encoder_layers == 2)
+    assert r.omegas["encoder"] == pytest.approx([2.0] * 4)  # omega^2 = N = 4
+    assert r.omegas["decoder"] == pytest.approx([math.sqrt(6)] * 6)
+
+
+def test_batch_from_a_binarized_data_dir(tiny_data, tmp_path):
+    proc = run_tool([*SMALL, "--depths", "1,2", "--variants", "post-ln,admin-profile",
+                     "--data", tiny_data, "--subset", "valid", "--trials", "1", "--no-plot",
+                     "--out-dir", tmp_path])
+    rows = list(csv.DictReader(open(tmp_path / "output_change.csv")))
+    assert len(rows) == 4 and all(float(r["encoder_change"]) > 0 for r in rows)
+    assert not (tmp_path / "output_change.png").exists()
+    assert "admin-profile" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--variants", "post-ln,bogus"], "valid choices: post-ln, pre-ln"),
+    (["--depths", "2,0"], "--depths"),
+    (["--embed-dim", "30", "--heads", "4"], "divisible by --heads"),
+    (["--decoder-layers", "x"], "--decoder-layers"),
+    (["--perturbation", "-1"], "--perturbation"),
+])
+def test_bad_arguments_name_the_flag(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        analyze.cli_main([*args, "--out-dir", str(tmp_path)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "output_change.csv").exists()
