@@ -432,7 +432,7 @@ def plot(results: Sequence[Result], path: str, title: str) -> str:
             ys = [by_depth[n][which] for n in depths]
             if not any(y > 0 for y in ys):  # log axis: list it, e.g. ReZero (identity at init)
                 ax.plot([], [], ls="none", marker="x", color="black",
-                        label=f"{label}: 0 at every N (identity at init)")
+                        label=f"{label}: 0 at every N")
                 continue
             ax.plot(depths, ys, marker="o", label=label)
         ax.set_xscale("log")
@@ -445,9 +445,14 @@ def plot(results: Sequence[Result], path: str, title: str) -> str:
         ax.set_title(name)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel(r"$|F(x,W)-F(x,W+\delta)|^2 / |F(x,W)|^2$")
-    axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    if len(labels) <= 5:
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+    else:  # with the rivals (--variants all) a legend inside would hide curves
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -1,0 +1,237 @@
+r"""Residual schemes that compete with Admin, and precision-keeping residuals (pure torch).
+
+This module never imports fairseq; :mod:`fairseq_admin_pos.models.admin_transformer` picks
+one scheme per model with ``--admin-residual``:
+
+==================  =====================================  ==================================
+``admin``           ``LN(x * omega + f(x))``               Liu et al. 2020 (EMNLP), "Under-
+                                                           standing the Difficulty of
+                                                           Training Transformers"
+``deepnorm``        ``LN(alpha * x + f(x))``, f's FFN,     Wang et al. 2022, "DeepNet:
+                    value and output projections           Scaling Transformers to 1,000
+                    Xavier-normal with gain beta           Layers", arXiv 2203.00555
+``rezero``          ``x + a * f(x)``, ``a`` a trainable    Bachlechner et al. 2020, "ReZero
+                    scalar starting at 0, no LayerNorm     is All You Need", arXiv 2003.04887
+``rezero-post-ln``  ``LN(x + a * f(x))``                   same paper, its "Post-Norm +
+                                                           ReZero" variant (Table 1)
+==================  =====================================  ==================================
+
+``f(x)`` is the dropped-out sub-layer output (self-attention, encoder attention or FFN).
+Every residual module here is called as ``module(x, f_x)`` with ``x`` the shortcut and
+``f_x`` the branch, both of shape ``(*, C)``, and returns the sum of shape ``(*, C)`` (the
+LayerNorm, if any, is applied by the layer).
+
+DeepNorm constants (encoder-decoder, N encoder layers, M decoder layers; DeepNet Sec. 3 and
+Table 1, "Encoder-decoder" rows)::
+
+    encoder  alpha = 0.81 (N^4 M)^(1/16)      beta = 0.87 (N^4 M)^(-1/16)
+    decoder  alpha = (3M)^(1/4)               beta = (12M)^(-1/4)
+
+alpha weights the shortcut of every sub-layer of that stack; beta is the gain of the
+Xavier-normal initialisation of the FFN (``fc1``, ``fc2``), value (``v_proj``) and output
+(``out_proj``) projections of every attention of that stack (the decoder's encoder attention
+included); the query and key projections are Xavier-normal with gain 1 (the paper's
+``deepnorm_init``, Fig. 2).
+
+**torchscale note.** Microsoft's torchscale does not use the paper's beta: it keeps its
+default initialisation and *divides* those weights by ``(N^4 M)^(1/16) / 1.15`` in the
+encoder (``(12 M)^(1/4)`` in the decoder), i.e. an encoder gain of ``1.15 (N^4 M)^(-1/16)``
+instead of ``0.87 (N^4 M)^(-1/16)`` applied on top of a different base initialisation
+(torchscale issue #16). **This module follows the paper** (:func:`deepnorm_constants`,
+:func:`deepnorm_init_`); results are therefore not bit-comparable with torchscale runs.
+
+Mixed precision: :class:`Float32OmegaResidual` keeps a *fixed* shortcut weight (Admin's
+buffer omega, DeepNorm's alpha) in float32 when the model is cast with ``.half()`` /
+``.bfloat16()`` (what ``fairseq-train --fp16/--bf16`` does) and computes
+``x * omega + f_x`` in float32 before rounding once to the activation dtype. Trainable
+weights (Admin's vector omega, ReZero's ``a``) follow the model dtype like every other
+parameter; fairseq's ``FP16Optimizer`` keeps their float32 master copies.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Iterable, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from fairseq_admin_pos.admin import OmegaResidual
+
+__all__ = [
+    "RESIDUAL_SCHEMES",
+    "DeepNormConstants",
+    "deepnorm_constants",
+    "xavier_normal_gain_",
+    "deepnorm_init_",
+    "Float32OmegaResidual",
+    "ReZeroResidual",
+]
+
+#: the ``--admin-residual`` choices, in the order of the table above
+RESIDUAL_SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln")
+
+#: dtypes whose rounding of a fixed shortcut weight would bias every step (omega = 3.04
+#: is 3.03125 in bfloat16, 3.041 in float16)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_layers(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive int (a number of layers); got {value!r}")
+    return int(value)
+
+
+class DeepNormConstants(NamedTuple):
+    """DeepNorm's shortcut weights (alpha) and initialisation gains (beta) per stack."""
+
+    encoder_alpha: float
+    encoder_beta: float
+    decoder_alpha: float
+    decoder_beta: float
+
+
+def deepnorm_constants(encoder_layers: int, decoder_layers: int) -> DeepNormConstants:
+    r"""DeepNorm's alpha and beta for an encoder-decoder with N encoder, M decoder layers.
+
+    ``encoder_alpha = 0.81 (N^4 M)^(1/16)``, ``encoder_beta = 0.87 (N^4 M)^(-1/16)``,
+    ``decoder_alpha = (3M)^(1/4)``, ``decoder_beta = (12M)^(-1/4)`` (Wang et al. 2022,
+    "DeepNet", arXiv 2203.00555, Table 1). N and M count *layers*, not sub-layers. For
+    example (alpha / beta, rounded) 6L-6L: encoder 1.418 / 0.497, decoder 2.060 / 0.343;
+    18L-18L: encoder 1.999 / 0.353, decoder 2.711 / 0.261; 60L-12L: encoder 2.633 / 0.268,
+    decoder 2.449 / 0.289.
+
+    Raises ``ValueError`` unless both counts are positive ints.
+    """
+    n = _check_layers(encoder_layers, "encoder_layers")
+    m = _check_layers(decoder_layers, "decoder_layers")
+    # (N^4 M)^(1/16) = N^(1/4) M^(1/16): written this way so 1000-layer models do not
+    # overflow an intermediate N^4 M in other number types
+    enc = n ** 0.25 * m ** 0.0625
+    return DeepNormConstants(
+        encoder_alpha=0.81 * enc,
+        encoder_beta=0.87 / enc,
+        decoder_alpha=(3.0 * m) ** 0.25,
+        decoder_beta=(12.0 * m) ** -0.25,
+    )
+
+
+def xavier_normal_gain_(weight: torch.Tensor, gain: float) -> torch.Tensor:
+    r"""Re-draw ``weight`` (shape ``(out, in)``) from ``N(0, std^2)`` in place,
+    ``std = gain * sqrt(2 / (fan_in + fan_out))`` (Glorot & Bengio 2010, "Xavier normal";
+    ``torch.nn.init.xavier_normal_``). Returns ``weight``. ``gain`` must be a positive
+    finite number."""
+    if isinstance(gain, bool) or not isinstance(gain, numbers.Real) or not math.isfinite(gain) \
+            or gain <= 0:
+        raise ValueError(f"gain must be a positive finite number; got {gain!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() < 2:
+        raise ValueError("xavier_normal_gain_ needs a weight tensor with at least 2 dimensions")
+    with torch.no_grad():
+        return nn.init.xavier_normal_(weight, gain=float(gain))
+
+
+def deepnorm_init_(
+    layer: nn.Module,
+    beta: float,
+    attention_names: Iterable[str] = ("self_attn", "encoder_attn"),
+    ffn_names: Iterable[str] = ("fc1", "fc2"),
+) -> None:
+    r"""DeepNorm's initialisation of one Transformer layer, in place (DeepNet, Fig. 2).
+
+    For each attention ``layer.<a>`` in ``attention_names`` that exists (fairseq's
+    ``MultiheadAttention`` naming): ``q_proj``, ``k_proj`` Xavier-normal with gain 1,
+    ``v_proj``, ``out_proj`` Xavier-normal with gain ``beta``; each Linear ``layer.<f>`` in
+    ``ffn_names`` Xavier-normal with gain ``beta``. Biases and LayerNorms are left as they
+    are (the paper re-initialises weight matrices only). Use the beta of the layer's stack
+    (:func:`deepnorm_constants`).
+    """
+    touched = 0
+    for name in attention_names:
+        attn = getattr(layer, name, None)
+        if attn is None:
+            continue
+        for proj, gain in (("q_proj", 1.0), ("k_proj", 1.0), ("v_proj", beta), ("out_proj", beta)):
+            xavier_normal_gain_(getattr(attn, proj).weight, gain)
+        touched += 1
+    for name in ffn_names:
+        fc = getattr(layer, name, None)
+        if fc is None:
+            continue
+        xavier_normal_gain_(fc.weight, beta)
+        touched += 1
+    if touched == 0:
+        raise ValueError(
+            f"deepnorm_init_: {type(layer).__name__} has none of the attentions "
+            f"{tuple(attention_names)} or FFN linears {tuple(ffn_names)}"
+        )
+
+
+class Float32OmegaResidual(OmegaResidual):
+    r"""Admin/DeepNorm residual ``x * omega + f_x`` whose *fixed* omega stays float32.
+
+    Same constructor, state dict and float32 results as
+    :class:`fairseq_admin_pos.admin.OmegaResidual` (bit for bit; with omega == 1 bitwise
+    ``x + f_x``, so ``--admin-init none`` remains stock fairseq). Two differences, for
+    ``fairseq-train --fp16/--bf16``, which casts the whole model with ``.half()`` /
+    ``.to(torch.bfloat16)``:
+
+    * the buffer form (``as_parameter=False``) keeps omega in float32 through those casts
+      (device moves still apply), so checkpoints hold the exact value and a profiled or
+      closed-form omega is never rounded (3.04 would become 3.03125 in bfloat16);
+    * with float16/bfloat16 inputs and a float32 omega the sum is computed as
+      ``(x.float() * omega + f_x.float()).to(x.dtype)``: one rounding instead of rounding
+      omega, the product and the sum. For omega == 1 this is bitwise the half-precision
+      ``x + f_x`` (torch adds half tensors in float32 and rounds once too).
+
+    The parameter form (trainable vector, Transformer-Clinic) follows the model dtype like
+    every other weight: fairseq's FP16Optimizer keeps its float32 master copy.
+    The seed API class in ``admin.py`` is left unchanged (its omega follows ``.half()``).
+
+    Shapes: ``x``, ``f_x`` ``(*, C)`` -> ``(*, C)``.
+    """
+
+    def _apply(self, fn, recurse=True):
+        keep = None
+        if not self.as_parameter and self.omega.dtype == torch.float32:
+            keep = self.omega  # Module._apply replaces the buffer; this tensor stays float32
+        out = super()._apply(fn, recurse)
+        if keep is not None and self.omega.dtype in _LOW_PRECISION:
+            self._buffers["omega"] = keep.to(device=self.omega.device)
+        return out
+
+    def forward_omega(self, x, f_x):
+        omega = self.omega
+        if x.dtype in _LOW_PRECISION and omega.dtype == torch.float32:
+            return (x.float() * omega + f_x.float()).to(x.dtype)
+        return super().forward_omega(x, f_x)
+
+
+class ReZeroResidual(nn.Module):
+    r"""ReZero's residual ``x + a * f_x`` with ``a`` one trainable scalar initialised to 0.
+
+    Bachlechner, Majumder, Mao, Cottrell, McAuley 2020, "ReZero is All You Need: Fast
+    Convergence at Large Depth" (arXiv 2003.04887), Eq. 4: ``x_{i+1} = x_i + a_i F(x_i)``.
+    At initialisation every sub-layer is the identity, so a ReZero stack without LayerNorm
+    returns its input (the embedding output) exactly. One ``a`` per residual sub-layer,
+    as the paper writes it per residual connection (the authors' ``RZTXEncoderLayer``
+    shares one ``resweight`` between the two sub-layers of a layer).
+
+    ``a`` is stored as a parameter of shape ``(1,)`` and follows the model dtype; it is cast
+    to ``f_x``'s dtype in the product. Shapes: ``x``, ``f_x`` ``(*, C)`` -> ``(*, C)``.
+    """
+
+    def __init__(self, init_value: float = 0.0):
+        super().__init__()
+        if isinstance(init_value, bool) or not isinstance(init_value, numbers.Real) \
+                or not math.isfinite(init_value):
+            raise ValueError(f"init_value must be a finite number; got {init_value!r}")
+        self.alpha = nn.Parameter(torch.full((1,), float(init_value)))
+
+    def forward(self, x, f_x):
+        alpha = self.alpha
+        if f_x.is_floating_point() and alpha.dtype != f_x.dtype:
+            alpha = alpha.to(f_x.dtype)
+        return x + alpha * f_x
+
+    def extra_repr(self) -> str:
+        return f"alpha={float(self.alpha.detach().reshape(-1)[0]):.6g}"

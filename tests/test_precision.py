@@ -1,0 +1,334 @@
+"""Mixed precision on the CPU: fixed omegas/alphas stay float32 through fairseq's casts,
+position tables are rounded once, profiling statistics stay float32/64, every residual
+scheme and position choice trains through fairseq's own fp16 (loss scaling) and bf16
+machinery, and checkpoints load back in float32 for generation.
+
+What runs here and what does not: fp16 and bf16 arithmetic run on the CPU. fairseq's
+``--fp16`` default keeps a *flattened* float32 master copy that it allocates on
+``torch.cuda.current_device()``, so on a CPU-only torch ``--fp16`` needs
+``--fp16-no-flatten-grads`` (same FP16Optimizer and DynamicLossScaler, one master tensor per
+parameter) or ``--memory-efficient-fp16``. fairseq ties ``--bf16`` to ``--tpu``
+(``options.py``: ``if args.bf16: args.tpu = True``), so ``fairseq-train --bf16 --cpu`` asks
+for torch_xla; the bf16 tests run fairseq's own ``train.main`` / ``Trainer`` with ``tpu``
+reset to False, which is the same model cast, sample cast and FP16Optimizer a GPU run uses.
+CUDA kernels (and apex's fused kernels) are not exercised here.
+"""
+import math
+import sys
+
+import pytest
+import torch
+
+from fairseq_admin_pos.admin import OmegaResidual, calculate_init
+from fairseq_admin_pos.schemes import (
+    RESIDUAL_SCHEMES,
+    Float32OmegaResidual,
+    ReZeroResidual,
+    deepnorm_constants,
+)
+from fairseq_cli_utils import (
+    TINY_MODEL,
+    USER_DIR,
+    generate,
+    hypotheses,
+    run,
+    train_losses,
+)
+from model_utils import build
+from test_admin_transformer import SMALL, POS_CHOICES, residuals, sample_batch
+
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# --------------------------------------------------------------------------------------- #
+# Float32OmegaResidual (pure torch)
+# --------------------------------------------------------------------------------------- #
+@pytest.mark.parametrize("cast,dtype", [("half", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_fixed_omega_stays_float32_through_casts(cast, dtype):
+    omega = calculate_init(36)  # 3.04...: 3.03125 in bfloat16, 3.041 in float16
+    m = Float32OmegaResidual(omega)
+    getattr(m, cast)()
+    assert m.omega.dtype == torch.float32
+    assert m.omega.item() == torch.tensor(omega, dtype=torch.float32).item()
+    assert m.state_dict()["omega"].dtype == torch.float32
+    m.double()  # widening casts still apply
+    assert m.omega.dtype == torch.float64
+    # the seed API class is unchanged: its omega follows the cast
+    seed = OmegaResidual(omega)
+    getattr(seed, cast)()
+    assert seed.omega.dtype == dtype
+
+
+@pytest.mark.parametrize("cast,dtype", [("half", torch.float16), ("bfloat16", torch.bfloat16)])
+def test_trainable_omega_follows_the_model_dtype(cast, dtype):
+    m = Float32OmegaResidual(2.0, as_parameter=True, embed_dim=8)
+    p = m.omega
+    getattr(m, cast)()
+    assert m.omega.dtype == dtype and isinstance(m.omega, torch.nn.Parameter)
+    r = ReZeroResidual()
+    getattr(r, cast)()
+    assert r.alpha.dtype == dtype
+    assert p is m.omega  # same Parameter object (optimizers keep working)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_sum_is_computed_in_float32(dtype):
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(4096, 8, generator=g, dtype=torch.float64)
+    f64 = torch.randn(4096, 8, generator=g, dtype=torch.float64) * 0.3
+    x, f = x64.to(dtype), f64.to(dtype)
+    omega = calculate_init(36)
+    m = Float32OmegaResidual(omega).to(dtype)
+    out = m(x, f)
+    assert out.dtype == dtype
+    want = (x.double() * torch.tensor(omega, dtype=torch.float32).double() + f.double())
+    torch.testing.assert_close(out, (x.float() * m.omega + f.float()).to(dtype), rtol=0, atol=0)
+    naive = OmegaResidual(omega).to(dtype)(x, f)  # omega rounded to dtype, two roundings
+    err_ours = (out.double() - want).abs().mean().item()
+    err_naive = (naive.double() - want).abs().mean().item()
+    assert err_ours < err_naive, (err_ours, err_naive)
+    # omega == 1: bitwise the plain half-precision residual (stock fairseq in fp16/bf16)
+    one = Float32OmegaResidual(1.0).to(dtype)
+    assert torch.equal(one(x, f), x + f)
+
+
+def test_float32_input_is_bitwise_the_seed_module():
+    g = torch.Generator().manual_seed(1)
+    x, f = torch.randn(5, 3, 16, generator=g), torch.randn(5, 3, 16, generator=g)
+    for kw in ({}, {"as_parameter": True, "embed_dim": 16}):
+        assert torch.equal(Float32OmegaResidual(2.017, **kw)(x, f), OmegaResidual(2.017, **kw)(x, f))
+
+
+# --------------------------------------------------------------------------------------- #
+# the model cast the way fairseq-train --fp16 / --bf16 casts it
+# --------------------------------------------------------------------------------------- #
+def _fixed_weights(scheme, enc, dec):
+    if scheme == "admin":
+        return calculate_init(2 * enc), calculate_init(3 * dec)
+    c = deepnorm_constants(enc, dec)
+    return c.encoder_alpha, c.decoder_alpha
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("scheme", RESIDUAL_SCHEMES)
+def test_model_cast_keeps_fixed_omegas_float32(tiny_data, scheme, precision):
+    dtype = LOW[precision]
+    model, _, _ = build(tiny_data, "admin_transformer", SMALL + [
+        "--encoder-layers", "3", "--decoder-layers", "2", "--admin-residual", scheme])
+    model.to(dtype)
+    for stack, n_sub in ((model.encoder, 6), (model.decoder, 6)):
+        mods = residuals(stack)
+        assert len(mods) == n_sub
+        if scheme.startswith("rezero"):
+            assert all(m.alpha.dtype == dtype for m in mods)
+            continue
+        want = _fixed_weights(scheme, 3, 2)[0 if stack is model.encoder else 1]
+        for m in mods:
+            assert m.omega.dtype == torch.float32
+            assert m.omega.item() == torch.tensor(want, dtype=torch.float32).item()
+    assert model.encoder.layers[0].fc1.weight.dtype == dtype
+
+
+def _position_table_reference(model_fp32, model_low, side, tokens, dtype, pos):
+    a = getattr(model_fp32, side).embed_positions(tokens)
+    b = getattr(model_low, side).embed_positions(tokens)
+    assert b.dtype == dtype
+    if pos == "scaled-sinusoidal":  # table and scale are each rounded once, then multiplied
+        torch.testing.assert_close(b.float(), a, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+    else:  # one rounding of the float32 table
+        assert torch.equal(b, a.to(dtype))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("pos", POS_CHOICES)
+@pytest.mark.parametrize("scheme", RESIDUAL_SCHEMES)
+def test_low_precision_forward_backward_every_scheme_and_position(tiny_data, scheme, pos, precision):
+    """The low-precision model computes what the float32 one computes (within the dtype's
+    precision), positions included, and backpropagates finite gradients."""
+    dtype = LOW[precision]
+    extra = SMALL + ["--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
+                     "--admin-residual", scheme, "--encoder-pos-emb", pos, "--decoder-pos-emb", pos]
+    model32, task, _ = build(tiny_data, "admin_transformer", extra, seed=4)
+    low, _, _ = build(tiny_data, "admin_transformer", extra, seed=4)
+    with torch.no_grad():  # ReZero: leave the identity start so the layers contribute
+        for m in list(model32.modules()) + list(low.modules()):
+            if isinstance(m, ReZeroResidual):
+                m.alpha.fill_(0.5)
+    low.to(dtype)
+    model32.eval(), low.eval()
+    src, lengths, prev = sample_batch(task, left_pad_lengths=[7, 5, 3])
+    if pos != "none":
+        for side, tokens in (("encoder", src), ("decoder", prev)):
+            _position_table_reference(model32, low, side, tokens, dtype, pos)
+    out32 = model32(src, lengths, prev)[0]
+    out = low(src, lengths, prev)[0]
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    # relative to the logits' scale: a few ulps of the dtype accumulated over 4 layers
+    err = (out.float() - out32).norm() / out32.norm()
+    assert err < (0.03 if dtype == torch.bfloat16 else 0.005), err.item()
+    low.train()
+    out = low(src, lengths, prev)[0]
+    out.float().logsumexp(-1).sum().backward()
+    grads = [p.grad for p in low.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_profiling_statistics_stay_float32_in_a_low_precision_model(tiny_data, dtype):
+    from fairseq_admin_pos.models import admin_profile
+
+    extra = SMALL + ["--encoder-layers", "3", "--decoder-layers", "2", "--admin-init", "profile",
+                     "--dropout", "0"]
+    model32, task, _ = build(tiny_data, "admin_transformer", extra, seed=2)
+    low, _, _ = build(tiny_data, "admin_transformer", extra, seed=2)
+    low.to(dtype)
+    src, lengths, prev = sample_batch(task, bsz=4, src_len=8, tgt_len=6, left_pad_lengths=[8, 6, 5, 8])
+    batch = [{"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev}]
+    om32, mom32 = admin_profile.measure(model32, batch)
+    om_low, mom_low = admin_profile.measure(low, batch)
+    for stack in ("encoder", "decoder"):
+        assert mom_low[stack].dtype == torch.float64
+        # the counts are exact, the variances agree to the dtype's precision
+        assert torch.equal(mom_low[stack][:, :, 0], mom32[stack][:, :, 0])
+        for a, b in zip(om_low[stack], om32[stack]):
+            assert a == pytest.approx(b, rel=3 * torch.finfo(dtype).eps ** 0.5)
+    admin_profile.apply(low, om_low)
+    for stack in ("encoder", "decoder"):
+        for m, v in zip(residuals(getattr(low, stack)), om_low[stack]):
+            assert m.omega.dtype == torch.float32  # the measured value, not rounded to dtype
+            assert m.omega.item() == torch.tensor(v, dtype=torch.float32).item()
+
+
+# --------------------------------------------------------------------------------------- #
+# fairseq's own mixed-precision trainer, in-process: per precision every scheme and every
+# position choice once (a Latin square; the full product runs forward/backward above)
+# --------------------------------------------------------------------------------------- #
+def _trainer(data, extra, precision):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    argv = [str(data), "--user-dir", USER_DIR, "--arch", "admin_transformer", "--cpu",
+            *TINY_MODEL, "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "400",
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--seed", "3", "--num-workers", "0", *map(str, extra)]
+    argv += {"fp16": ["--fp16", "--fp16-no-flatten-grads"], "bf16": ["--bf16"]}[precision]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    args.tpu = False  # fairseq's --bf16 implies --tpu; run its bf16 path on the CPU
+    cfg = convert_namespace_to_omegaconf(args)
+    torch.manual_seed(3)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return Trainer(cfg, task, model, criterion)
+
+
+LATIN = [(precision, scheme, POS_CHOICES[(i + shift) % len(POS_CHOICES)])
+          for precision, shift in (("fp16", 0), ("bf16", 2))
+          for i, scheme in enumerate(RESIDUAL_SCHEMES)]
+
+
+@pytest.mark.parametrize("precision,scheme,pos", LATIN)
+def test_fairseq_trainer_every_scheme_and_position(tiny_data, scheme, pos, precision):
+    from fairseq.optim import FP16Optimizer
+
+    dtype = LOW[precision]
+    trainer = _trainer(tiny_data, ["--admin-residual", scheme, "--encoder-pos-emb", pos,
+                                   "--decoder-pos-emb", pos, "--dropout", "0.1"], precision)
+    model = trainer.model
+    assert model.decoder.embed_tokens.weight.dtype == dtype
+    assert isinstance(trainer.optimizer, FP16Optimizer)
+    assert (trainer.optimizer.scaler is not None) == (precision == "fp16")  # loss scaling
+    before = {k: v.detach().float().clone() for k, v in model.state_dict().items()
+              if torch.is_tensor(v) and v.is_floating_point()}
+    itr = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
+    losses = []
+    for _, sample in zip(range(3), itr):
+        log = trainer.train_step([sample])
+        losses.append(log["loss"])
+    assert trainer.get_num_updates() == 3
+    assert all(math.isfinite(v) for v in losses), losses
+    after = model.state_dict()
+    for mod in residuals(model.encoder) + residuals(model.decoder):
+        if isinstance(mod, Float32OmegaResidual):
+            assert mod.omega.dtype == torch.float32
+    fixed = [k for k, v in after.items() if k.endswith(".omega")]
+    assert all(torch.equal(after[k].float(), before[k]) for k in fixed)  # not trained
+    if scheme.startswith("rezero"):
+        assert after["decoder.layers.1.final_residual.alpha"].abs().item() > 0
+    if pos == "scaled-sinusoidal":
+        k = "encoder.embed_positions.embed.scaling"
+        assert not torch.equal(after[k].float(), before[k])
+
+
+# --------------------------------------------------------------------------------------- #
+# through the command line: save in fp16/bf16, load back in float32 for generation
+# --------------------------------------------------------------------------------------- #
+BF16_TRAIN = (  # fairseq-train with tpu reset (fairseq_cli.train first: its log format)
+    "import sys\n"
+    "from fairseq_cli import train\n"
+    "from fairseq import options\n"
+    "from fairseq.dataclass.utils import convert_namespace_to_omegaconf\n"
+    "from fairseq.distributed import utils as distributed_utils\n"
+    "args = options.parse_args_and_arch(options.get_training_parser(), sys.argv[1:])\n"
+    "args.tpu = False  # fairseq ties --bf16 to TPUs; run its bf16 path on the CPU\n"
+    "distributed_utils.call_main(convert_namespace_to_omegaconf(args), train.main)\n"
+)
+
+
+@pytest.mark.parametrize("precision,scheme,pos", [
+    ("fp16", "admin", "scaled-sinusoidal"),
+    ("bf16", "deepnorm", "learned"),
+])
+def test_cli_low_precision_checkpoint_loads_in_float32(tiny_data, tmp_path, precision, scheme, pos):
+    save = tmp_path / "ck"
+    argv = [tiny_data, "--user-dir", USER_DIR, "--arch", "admin_transformer", *TINY_MODEL,
+            "--admin-residual", scheme, "--encoder-pos-emb", pos, "--decoder-pos-emb", pos,
+            "--cpu", "--seed", "3", "--optimizer", "adam", "--lr", "2e-3", "--max-tokens", "400",
+            "--no-progress-bar", "--log-format", "simple", "--log-interval", "1",
+            "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--max-update", "4", "--disable-validation",
+            "--save-dir", save, "--no-epoch-checkpoints"]
+    if precision == "fp16":
+        proc = run("fairseq_cli.train", argv + ["--fp16", "--fp16-no-flatten-grads"])
+    else:
+        import subprocess
+
+        from fairseq_cli_utils import REPO, env
+
+        proc = subprocess.run([sys.executable, "-c", BF16_TRAIN, *map(str, argv), "--bf16"],
+                              cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    losses = [float(v) for v in train_losses(log)]
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses), losses
+    if precision == "fp16":
+        assert "loss_scale=" in log
+
+    import fairseq_admin_pos  # noqa: F401  (checkpoint allow-list)
+    from fairseq import checkpoint_utils
+
+    raw = torch.load(save / "checkpoint_last.pt", map_location="cpu")["model"]
+    dtype = LOW[precision]
+    # fairseq saves the low-precision model copy converted to float32 (utils.move_to_cpu):
+    # the weights are values of the low dtype ...
+    w = raw["decoder.embed_tokens.weight"]
+    assert w.dtype == torch.float32 and torch.equal(w.to(dtype).float(), w)
+    # ... while the fixed omegas are the exact float32 values, which that dtype cannot hold
+    enc_w, dec_w = _fixed_weights(scheme, 2, 2)
+    for want in (enc_w, dec_w):
+        exact = torch.tensor(want, dtype=torch.float32)
+        assert exact.to(dtype).float().item() != exact.item()
+    omegas = [k for k in raw if k.endswith(".omega")]
+    assert len(omegas) == 2 * 2 + 3 * 2
+    for k in omegas:
+        want = enc_w if k.startswith("encoder.") else dec_w
+        assert raw[k].item() == torch.tensor(want, dtype=torch.float32).item(), k
+    models, cfg = checkpoint_utils.load_model_ensemble([str(save / "checkpoint_last.pt")])
+    model = models[0]
+    floats = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+    assert floats and all(t.dtype == torch.float32 for t in floats)
+    torch.testing.assert_close(model.decoder.embed_tokens.weight,
+                               raw["decoder.embed_tokens.weight"].float(), rtol=0, atol=0)
+    out = generate(tiny_data, save / "checkpoint_last.pt").stdout  # float32, no --fp16
+    assert len(hypotheses(out)) == 24 and "BLEU4" in out
