@@ -1,18 +1,19 @@
 """Speed and memory of admin_transformer against stock fairseq ``transformer``, side by side.
 
 Both models have identical sizes; admin_transformer uses Admin closed-form omegas as trainable
-vectors (``--admin-omega parameter``, the most expensive setting: one extra multiply and
-one extra parameter vector per sub-layer). Each measurement runs in a fresh subprocess
-(same data, same batches, same seed) and the two models alternate (A B, B A, ...), so drifts
-in machine load hit both. Per worker:
+vectors (``--admin-omega parameter``, the most expensive setting: one extra parameter vector
+and one fused multiply-add per sub-layer). Speed: one subprocess per round builds both
+models (same seed, same batches) and times every batch on both, alternating which goes
+first, so load changes on a shared machine hit both alike. Memory: one subprocess per model
+(alternating order), since a peak cannot be separated within one process on the CPU.
 
 * training words/s: target tokens / wall time of ``Trainer.train_step`` over the timed updates
   (fairseq's own trainer, as in ``fairseq-train``), after warm-up updates;
 * generation sentences/s: fairseq's ``SequenceGenerator`` (beam 4, exactly 30 decoding steps
   so both models do the same work) over the same test batches;
 * peak memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the peak resident set size
-  (``ru_maxrss``) minus the resident size before the first update, i.e. what training adds on
-  top of the process, model and data.
+  (``ru_maxrss``) minus the resident size after the warm-up updates, with glibc told to
+  ``mmap`` every block above 64 KiB, i.e. what the timed training steps hold at their peak.
 
 Prints the per-round figures and the median ratios admin / stock (targets: speeds >= 0.97,
 memory <= 1.02).
@@ -55,23 +56,19 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(args) -> None:
-    import torch
+def build_trainer(args, variant):
     from fairseq import options, tasks, utils
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.sequence_generator import SequenceGenerator
     from fairseq.trainer import Trainer
 
-    torch.set_num_threads(args.threads)
-    cuda = torch.cuda.is_available() and not args.cpu
     parser = options.get_training_parser()
     argv = [str(args.data), "--user-dir", str(REPO / "fairseq_admin_pos"),
-            *VARIANTS[args.worker], *model_flags(args),
+            *VARIANTS[variant], *model_flags(args),
             "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "5e-4",
             "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
             "--max-tokens", str(args.max_tokens), "--seed", "1", "--num-workers", "0"]
-    if not cuda:
+    if not args.cuda:
         argv.append("--cpu")
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
     utils.set_torch_seed(1)
@@ -79,49 +76,94 @@ def worker(args) -> None:
     task.load_dataset("train")
     task.load_dataset("test")
     model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
-    trainer = Trainer(cfg, task, model, criterion)
+    trainer = Trainer(cfg, task, model, task.build_criterion(cfg.criterion))
+    return task, model, trainer
+
+
+def batches_of(task, trainer, n):
     itr = trainer.get_train_iterator(epoch=1, load_dataset=False).next_epoch_itr(shuffle=True)
-    batches = [next(itr) for _ in range(args.warmup + args.updates)]
+    return [next(itr) for _ in range(n)]
 
-    for b in batches[: args.warmup]:
-        trainer.train_step([b])
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    base_rss = rss_bytes()
-    tokens, t0 = 0, time.perf_counter()
-    for b in batches[args.warmup:]:
-        trainer.train_step([b])
-        tokens += b["ntokens"]
-    if cuda:
-        torch.cuda.synchronize()
-    train_s = time.perf_counter() - t0
-    if cuda:
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
 
-    model.eval()
+def sync(args):
+    import torch
+
+    if args.cuda:
+        torch.cuda.synchronize()
+
+
+def speed_worker(args) -> None:
+    """Both models in one process; every batch is timed on both, in alternating order, so
+    load changes on a shared machine hit both equally."""
+    import torch
+    from fairseq import utils
+    from fairseq.sequence_generator import SequenceGenerator
+
+    torch.set_num_threads(args.threads)
+    built = {v: build_trainer(args, v) for v in VARIANTS}
+    task = built["stock"][0]
+    batches = batches_of(task, built["stock"][2], args.warmup + args.updates)
+    train_t = {v: 0.0 for v in VARIANTS}
+    gen_t = {v: 0.0 for v in VARIANTS}
+    tokens = 0
+    for i, b in enumerate(batches):
+        order = list(VARIANTS) if i % 2 == 0 else list(VARIANTS)[::-1]
+        for v in order:
+            sync(args)
+            t0 = time.perf_counter()
+            built[v][2].train_step([b])
+            sync(args)
+            if i >= args.warmup:
+                train_t[v] += time.perf_counter() - t0
+        if i >= args.warmup:
+            tokens += b["ntokens"]
+
     # untrained models stop at different lengths; decoding exactly 30 steps for both makes
     # sentences/s compare the same work
-    gen = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_a=0,
-                            max_len_b=30, min_len=30)
-    test_itr = task.get_batch_iterator(
-        dataset=task.dataset("test"), max_sentences=64, seed=1,
-    ).next_epoch_itr(shuffle=False)
-    n_sent, t0 = 0, time.perf_counter()
+    gens = {}
+    for v, (_, model, _) in built.items():
+        model.eval()
+        gens[v] = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_a=0,
+                                    max_len_b=30, min_len=30)
+    test_itr = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=64,
+                                       seed=1).next_epoch_itr(shuffle=False)
+    n_sent = 0
     with torch.no_grad():
         for i, sample in enumerate(test_itr):
             if i >= args.gen_batches:
                 break
-            sample = utils.move_to_cuda(sample) if cuda else sample
-            gen.generate([model], sample)
+            sample = utils.move_to_cuda(sample) if args.cuda else sample
+            for v in (list(VARIANTS) if i % 2 == 0 else list(VARIANTS)[::-1]):
+                sync(args)
+                t0 = time.perf_counter()
+                gens[v].generate([built[v][1]], sample)
+                sync(args)
+                gen_t[v] += time.perf_counter() - t0
             n_sent += sample["nsentences"]
-    gen_s = time.perf_counter() - t0
-    print(json.dumps({"variant": args.worker, "train_wps": tokens / train_s,
-                      "gen_sent_s": n_sent / gen_s, "peak_mem": peak,
-                      "device": "cuda" if cuda else "cpu"}))
+    print(json.dumps({v: {"train_wps": tokens / train_t[v], "gen_sent_s": n_sent / gen_t[v]}
+                      for v in VARIANTS}))
+
+
+def memory_worker(args) -> None:
+    """One model per process: peak memory of its training steps."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    task, model, trainer = build_trainer(args, args.worker)
+    batches = batches_of(task, trainer, args.warmup + args.updates)
+    for b in batches[: args.warmup]:
+        trainer.train_step([b])
+    if args.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base_rss = rss_bytes()
+    for b in batches[args.warmup:]:
+        trainer.train_step([b])
+    if args.cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    print(json.dumps({"variant": args.worker, "peak_mem": peak}))
 
 
 def prepare(args) -> Path:
@@ -152,35 +194,55 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even if CUDA is there")
-    p.add_argument("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=sorted(VARIANTS) + ["speed"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args)
+        args.cuda = _cuda() and not args.cpu
+        return speed_worker(args) if args.worker == "speed" else memory_worker(args)
 
     data = prepare(args)
-    results = {v: [] for v in VARIANTS}
     passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in (
         "warmup", "updates", "gen-batches", "encoder-layers", "decoder-layers", "dim",
         "max-tokens", "threads")] + (["--cpu"] if args.cpu else [])
+
+    def child(mode):
+        cmd = [sys.executable, __file__, "--worker", mode, "--data", str(data), *passthrough]
+        env = dict(os.environ)
+        if mode != "speed":
+            # every block above 64 KiB gets its own mmap, so freed tensors leave the process
+            # and the resident-size peak measures what the training steps hold (CPU only)
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    speed, mem = [], {v: [] for v in VARIANTS}
     for r in range(args.rounds):
-        order = ["stock", "admin"] if r % 2 == 0 else ["admin", "stock"]
-        for v in order:
-            cmd = [sys.executable, __file__, "--worker", v, "--data", str(data), *passthrough]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            res = json.loads(out.strip().splitlines()[-1])
-            results[v].append(res)
-            print(f"round {r} {v:5s}: train {res['train_wps']:8.0f} words/s | generate "
-                  f"{res['gen_sent_s']:6.1f} sent/s | peak mem {res['peak_mem'] / 2**20:8.1f} MiB "
-                  f"({res['device']})", flush=True)
+        res = child("speed")
+        speed.append(res)
+        for v in VARIANTS:
+            print(f"round {r} {v:5s}: train {res[v]['train_wps']:8.0f} words/s | generate "
+                  f"{res[v]['gen_sent_s']:6.1f} sent/s", flush=True)
+        for v in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
+            m = child(v)["peak_mem"]
+            mem[v].append(m)
+            print(f"round {r} {v:5s}: peak memory {m / 2**20:8.1f} MiB", flush=True)
 
     def ratio(key):
-        return statistics.median(a[key] / s[key] for a, s in zip(results["admin"], results["stock"]))
+        return statistics.median(r["admin"][key] / r["stock"][key] for r in speed)
 
-    print(f"\nadmin/stock, median of {args.rounds} paired rounds "
-          f"({args.encoder_layers}L-{args.decoder_layers}L d={args.dim}, max-tokens {args.max_tokens}):")
-    print(f"  training words/s ratio      {ratio('train_wps'):.3f}   (target >= 0.97)")
+    mem_ratio = statistics.median(a / s for a, s in zip(mem["admin"], mem["stock"]))
+    where = "cuda" if (not args.cpu and _cuda()) else "cpu"
+    print(f"\nadmin/stock, median of {args.rounds} rounds ({args.encoder_layers}L-"
+          f"{args.decoder_layers}L d={args.dim}, max-tokens {args.max_tokens}, {where}):")
+    print(f"  training words/s ratio       {ratio('train_wps'):.3f}   (target >= 0.97)")
     print(f"  generation sentences/s ratio {ratio('gen_sent_s'):.3f}   (target >= 0.97)")
-    print(f"  peak memory ratio           {ratio('peak_mem'):.3f}   (target <= 1.02)")
+    print(f"  peak memory ratio            {mem_ratio:.3f}   (target <= 1.02)")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":
