@@ -59,8 +59,8 @@ def run(cmd: Sequence[str], log_file: Path = None) -> None:
                                 env=env)
         for line in proc.stdout:
             fh.write(line)
-            if "| INFO |" not in line or any(k in line for k in ("train_inner", "valid |",
-                                                                  "train |", "done training")):
+            if "| INFO |" not in line or any(k in line for k in (
+                    "| train_inner |", "| train |", "| valid |", "done training")):
                 sys.stdout.write(line)
                 sys.stdout.flush()
         if proc.wait() != 0:
