@@ -227,7 +227,8 @@ def main(argv=None) -> None:
     p.add_argument("--admin-init", default="closed-form", choices=("closed-form", "none"),
                    help="omega initialisation (none = the Post-LN baseline)")
     p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece size (default 8000)")
-    p.add_argument("--max-update", type=int, default=1100, help="training updates (default 1100)")
+    p.add_argument("--max-update", type=int, default=700,
+                   help="training updates (default 700, about 5 epochs of Multi30k)")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per batch (default 4096)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
     p.add_argument("--warmup", type=int, default=400, help="warmup updates (default 400)")
