@@ -1,0 +1,704 @@
+#!/usr/bin/env python3
+"""Depth study on Multi30k En-De: which residual schemes let deep Transformers train.
+
+The CPU-scale counterpart of the WMT14 En-De depth table of Liu et al. 2020
+("Understanding the Difficulty of Training Transformers"): same data, same hyperparameters,
+same update budget; only the residual scheme and the depth change. The default recipe is the
+papers' one scaled down to two CPU cores (docs/results.md says what was scaled and why):
+d 64, FFN 256, 4 heads, dropout 0.1, label smoothing 0.1, shared embeddings, Adam
+(0.9, 0.98), inverse_sqrt with lr 2e-3 and 100 warmup updates, 4096 tokens per batch,
+200 updates.
+
+Steps (every fairseq / data command is printed before it runs):
+
+1. Data, cached under ``OUT/data`` and skipped when complete: the raw gzip text of
+   Multi30k Task 1 (``train``, ``val``, ``test_2016_flickr``, ``.en`` / ``.de``), a joint
+   sentencepiece unigram vocabulary trained on the *training* side only, the encoded
+   splits, and ``fairseq-preprocess --joined-dictionary`` (needed by
+   ``--share-all-embeddings``).
+2. For each (scheme, depth, seed) not yet in ``OUT/results.csv``: ``fairseq-train`` with
+   ``--arch admin_transformer`` of this package, then ``fairseq-generate`` on
+   test_2016_flickr (beam 4) and detokenized sacreBLEU against the raw references.
+3. One CSV row per finished run is *appended* (a later call adds rows, an interrupted grid
+   resumes where it stopped), then the markdown table ``OUT/results_table.md`` and the
+   loss-curve figure ``OUT/depth_study_loss.png`` are rewritten from all rows
+   (``--publish docs`` also copies them into the docs folder and its results.md).
+
+Residual schemes (flags of ``fairseq_admin_pos``):
+
+* ``post-ln``: ``--admin-init none`` (omega = 1: stock fairseq Post-LN);
+* ``pre-ln``: ``--admin-init none --encoder-normalize-before --decoder-normalize-before``;
+* ``admin``: ``--admin-init closed-form --admin-omega parameter`` (admin-torch's O(logn)
+  closed form, omega a trainable vector: admin-torch's best setting);
+* ``admin-profile``: ``--admin-init profile --admin-omega parameter`` (the paper's
+  profiling initialisation, measured on the first training batch).
+
+A run's status (see ``classify``), with H the unigram entropy of the German training side
+in bits per token (</s> included, as fairseq's ``nll_loss``, which is base 2):
+
+* ``nan``: a NaN/Inf loss, or fairseq stopped with ``FloatingPointError``;
+* ``diverged``: the last logged train nll_loss is more than ``--diverge-bits`` (1.0) above
+  the lowest logged train nll_loss;
+* ``stuck``: the best valid nll_loss is not ``--stuck-bits`` (1.0) below H, i.e. the model
+  predicts little more than word frequencies (the failure of deep Post-LN in the paper);
+* ``trained`` otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+USER_DIR = REPO / "fairseq_admin_pos"
+
+SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
+LANGS = ("en", "de")
+SRC, TGT = "en", "de"
+
+SCHEMES = {
+    "post-ln": ["--admin-init", "none"],
+    "pre-ln": [
+        "--admin-init", "none",
+        "--encoder-normalize-before", "--decoder-normalize-before",
+    ],
+    "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
+    "admin-profile": ["--admin-init", "profile", "--admin-omega", "parameter"],
+}
+
+CSV_FIELDS = [
+    "key", "scheme", "depth", "encoder_layers", "decoder_layers", "seed", "max_update",
+    "embed_dim", "ffn_dim", "heads", "lr", "warmup", "max_tokens", "dropout",
+    "status", "reason", "updates", "final_train_loss", "final_train_nll", "min_train_nll",
+    "best_valid_loss", "best_valid_nll", "best_valid_ppl", "unigram_entropy_bits",
+    "bleu", "bleu_signature", "train_wall_s", "updates_per_s", "generate_wall_s",
+    "threads", "cpu", "finished_utc", "study_command", "train_command",
+    "generate_command", "curve_file",
+]
+
+# --quick is a subset of the default grid (same width and budget), so its rows are grid rows
+QUICK = dict(schemes="post-ln,admin", depths="12L-12L")
+
+
+# --------------------------------------------------------------------------- helpers
+def log(msg: str) -> None:
+    print(f"[depth_study {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def show(cmd) -> str:
+    text = " ".join(shlex.quote(str(c)) for c in cmd)
+    print(f"\n$ {text}", flush=True)
+    return text
+
+
+def run_checked(cmd, env, log_file: Path | None = None, echo: bool = False):
+    """Run ``cmd``; stream its output into ``log_file``; return (rc, output text)."""
+    text = show(cmd)
+    out = []
+    with subprocess.Popen(
+        [str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, bufsize=1, cwd=REPO,
+    ) as proc:
+        fh = open(log_file, "w") if log_file else None
+        try:
+            for line in proc.stdout:
+                out.append(line)
+                if fh:
+                    fh.write(line)
+                    fh.flush()
+                if echo:
+                    sys.stdout.write(line)
+        finally:
+            if fh:
+                fh.close()
+        rc = proc.wait()
+    return rc, "".join(out), text
+
+
+def parse_depth(depth: str):
+    m = re.fullmatch(r"(\d+)L-(\d+)L", depth)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise SystemExit(
+            f"--depths: {depth!r} is not of the form <enc>L-<dec>L, e.g. 6L-6L, 12L-12L, 24L-4L"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+def fairseq_env(threads: int):
+    env = dict(os.environ)
+    # fairseq does not set torch's thread count; OMP/MKL decide it.
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------- data
+def raw_path(data: Path, split: str, lang: str) -> Path:
+    return data / f"{SPLITS[split]}.{lang}.gz"
+
+
+def check_data(data: Path) -> None:
+    if not data.is_dir():
+        raise SystemExit(
+            f"--data {data}: not a directory. It must hold Multi30k Task 1 raw text: "
+            + ", ".join(f"{SPLITS[s]}.{l}.gz" for s in SPLITS for l in LANGS)
+        )
+    missing = [str(raw_path(data, s, l).name) for s in SPLITS for l in LANGS
+               if not raw_path(data, s, l).is_file()]
+    if missing:
+        raise SystemExit(
+            f"--data {data}: missing {', '.join(missing)} (expected the gzip files of "
+            "multi30k/dataset data/task1/raw: train, val, test_2016_flickr x .en/.de)"
+        )
+
+
+def read_gz(path: Path):
+    with gzip.open(path, "rt", encoding="utf-8") as fh:
+        return [line.rstrip("\n") for line in fh]
+
+
+def prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int) -> Path:
+    """Raw text -> sentencepiece -> fairseq binary, in ``out/data``; cached."""
+    root = out / "data"
+    bin_dir = root / "bin"
+    stamp = root / "COMPLETE.json"
+    settings = {"data": str(data.resolve()), "vocab": vocab, "model_type": "unigram"}
+    if stamp.is_file() and json.loads(stamp.read_text()).get("settings") == settings:
+        log(f"data ready in {root} (delete {stamp} to rebuild)")
+        return root
+    if root.exists():
+        shutil.rmtree(root)
+    (root / "raw").mkdir(parents=True)
+    (root / "spm").mkdir()
+    import sentencepiece as spm
+
+    counts = {}
+    for split in SPLITS:
+        lines = {lang: read_gz(raw_path(data, split, lang)) for lang in LANGS}
+        if len(lines["en"]) != len(lines["de"]):
+            raise SystemExit(
+                f"--data {data}: {SPLITS[split]}.en has {len(lines['en'])} lines but "
+                f"{SPLITS[split]}.de has {len(lines['de'])}"
+            )
+        counts[split] = len(lines["en"])
+        for lang in LANGS:
+            (root / "raw" / f"{split}.{lang}").write_text("\n".join(lines[lang]) + "\n")
+    log(f"sentences: {counts}")
+
+    # joint unigram model on the training side only (valid/test never seen)
+    prefix = root / "spm" / f"spm{vocab}"
+    spm_args = dict(
+        input=f"{root/'raw'/'train.en'},{root/'raw'/'train.de'}",
+        model_prefix=str(prefix), vocab_size=vocab, model_type="unigram",
+        character_coverage=1.0, num_threads=max(1, threads), seed_sentencepiece_size=1000000,
+        # fairseq's dictionary adds its own <s> <pad> </s> <unk>; keep spm's ids out of the text
+        bos_id=-1, eos_id=-1, unk_id=0,
+    )
+    print("\n$ sentencepiece.SentencePieceTrainer.train(" +
+          ", ".join(f"{k}={v!r}" for k, v in spm_args.items()) + ")", flush=True)
+    spm.SentencePieceTrainer.train(**spm_args, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(prefix) + ".model")
+    for split in SPLITS:
+        for lang in LANGS:
+            src = (root / "raw" / f"{split}.{lang}").read_text().splitlines()
+            pieces = sp.encode(src, out_type=str)
+            (root / "spm" / f"{split}.{lang}").write_text(
+                "\n".join(" ".join(p) for p in pieces) + "\n"
+            )
+    log("encoded all splits with " + str(prefix) + ".model")
+
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.preprocess",
+        "--source-lang", SRC, "--target-lang", TGT,
+        "--trainpref", root / "spm" / "train", "--validpref", root / "spm" / "valid",
+        "--testpref", root / "spm" / "test", "--destdir", bin_dir,
+        "--joined-dictionary", "--workers", str(workers),
+    ]
+    rc, text, _ = run_checked(cmd, fairseq_env(threads), root / "preprocess.log")
+    if rc != 0:
+        raise SystemExit(f"fairseq-preprocess failed (rc {rc}); see {root/'preprocess.log'}\n"
+                         + text[-2000:])
+    stamp.write_text(json.dumps({"settings": settings, "sentences": counts}, indent=1))
+    return root
+
+
+def unigram_entropy_bits(root: Path) -> float:
+    """Entropy (bits/token) of the target training side's piece frequencies, one </s> per
+    sentence included: the nll_loss of a model that ignores the source and the prefix."""
+    counts = Counter()
+    n_sent = 0
+    for line in (root / "spm" / f"train.{TGT}").read_text().splitlines():
+        counts.update(line.split())
+        n_sent += 1
+    counts["</s>"] += n_sent
+    total = sum(counts.values())
+    return -sum(c / total * math.log2(c / total) for c in counts.values())
+
+
+# --------------------------------------------------------------------------- one run
+LOG_RE = re.compile(r"\| (train_inner|train|valid) \| (\{.*\})\s*$")
+
+
+def parse_curve(text: str):
+    curve = {"train": [], "valid": []}
+    for line in text.splitlines():
+        m = LOG_RE.search(line)
+        if not m:
+            continue
+        tag, stats = m.group(1), json.loads(m.group(2))
+
+        def num(key):
+            try:
+                return float(stats[key])
+            except (KeyError, ValueError, TypeError):
+                return float("nan")
+
+        if tag == "train_inner":
+            curve["train"].append(
+                {"update": int(num("num_updates")), "loss": num("loss"), "nll": num("nll_loss")}
+            )
+        elif tag == "valid":
+            curve["valid"].append({
+                "update": int(num("valid_num_updates")), "loss": num("valid_loss"),
+                "nll": num("valid_nll_loss"), "ppl": num("valid_ppl"),
+            })
+    return curve
+
+
+def classify(curve, crashed_nan: bool, unigram_bits: float, stuck_bits: float,
+             diverge_bits: float):
+    """(status, reason) of a run; see the module docstring."""
+    train = [p for p in curve["train"]]
+    valid = [p for p in curve["valid"]]
+    values = [p["nll"] for p in train] + [p["nll"] for p in valid] + \
+             [p["loss"] for p in train] + [p["loss"] for p in valid]
+    if crashed_nan or any(not math.isfinite(v) for v in values):
+        return "nan", "NaN/Inf loss or gradients (fairseq FloatingPointError)"
+    if not train or not valid:
+        return "error", "no train/valid statistics in the log"
+    last, lowest = train[-1]["nll"], min(p["nll"] for p in train)
+    if last > lowest + diverge_bits:
+        return "diverged", (f"train nll {last:.2f} bits at update {train[-1]['update']} is "
+                            f"> {diverge_bits} above its minimum {lowest:.2f}")
+    best_valid = min(p["nll"] for p in valid)
+    if best_valid > unigram_bits - stuck_bits:
+        return "stuck", (f"best valid nll {best_valid:.2f} bits is not {stuck_bits} bits below "
+                         f"the unigram entropy {unigram_bits:.2f}")
+    return "trained", (f"best valid nll {best_valid:.2f} bits, "
+                       f"{unigram_bits - best_valid:.2f} below the unigram entropy")
+
+
+def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, dec: int,
+                  seed: int):
+    d, f, h = args.embed_dim, args.ffn_dim, args.heads
+    valid_every = args.validate_every or max(10, args.max_update // 4)
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.train", bin_dir,
+        "--user-dir", USER_DIR, "--arch", "admin_transformer", *SCHEMES[scheme],
+        "--encoder-layers", enc, "--decoder-layers", dec,
+        "--encoder-embed-dim", d, "--decoder-embed-dim", d,
+        "--encoder-ffn-embed-dim", f, "--decoder-ffn-embed-dim", f,
+        "--encoder-attention-heads", h, "--decoder-attention-heads", h,
+        "--share-all-embeddings", "--dropout", args.dropout,
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+        "--lr", args.lr, "--lr-scheduler", "inverse_sqrt", "--warmup-updates", args.warmup,
+        "--warmup-init-lr", "1e-07",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", args.max_tokens, "--max-update", args.max_update, "--seed", seed,
+        "--validate-interval-updates", valid_every, "--save-interval-updates", valid_every,
+        "--keep-interval-updates", 1, "--no-epoch-checkpoints",
+        "--save-dir", save_dir, "--log-format", "json", "--log-interval", args.log_interval,
+        "--cpu", "--num-workers", 0,
+    ]
+    return [str(c) for c in cmd]
+
+
+def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
+    """Beam-4 translations of test_2016_flickr, spm-decoded; detokenized sacreBLEU."""
+    import sacrebleu
+
+    ckpt = save_dir / "checkpoint_best.pt"
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.generate", root / "bin",
+        "--user-dir", USER_DIR, "--path", ckpt, "--gen-subset", "test",
+        "--beam", 4, "--lenpen", 0.6, "--batch-size", 128,
+        # bounded output length: an untrained model otherwise repeats a token 200 times
+        "--max-len-a", 1.2, "--max-len-b", 10,
+        "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", 0,
+    ]
+    cmd = [str(c) for c in cmd]
+    t0 = time.time()
+    rc, text, cmd_text = run_checked(cmd, env, run_dir / "generate.log")
+    wall = time.time() - t0
+    if rc != 0:
+        raise RuntimeError(f"fairseq-generate failed (rc {rc}); see {run_dir/'generate.log'}")
+    hyps = {}
+    for line in text.splitlines():
+        if line.startswith("D-"):
+            head, _score, *hyp = line.split("\t")
+            hyps[int(head[2:])] = hyp[0] if hyp else ""
+    refs = (root / "raw" / f"test.{TGT}").read_text().splitlines()
+    if len(hyps) != len(refs):
+        raise RuntimeError(f"fairseq-generate produced {len(hyps)} of {len(refs)} translations")
+    hyp_list = [hyps[i] for i in range(len(refs))]
+    (run_dir / f"test.hyp.{TGT}").write_text("\n".join(hyp_list) + "\n")
+    bleu = sacrebleu.metrics.BLEU()
+    score = bleu.corpus_score(hyp_list, [refs])
+    sig = str(bleu.get_signature())
+    log(f"sacreBLEU {score.score:.2f}  {score}  signature: {sig}")
+    return score.score, sig, wall, cmd_text
+
+
+def run_key(scheme, depth, seed, args) -> str:
+    return (f"{scheme}|{depth}|seed{seed}|{args.max_update}upd|d{args.embed_dim}"
+            f"|lr{args.lr:g}|wu{args.warmup}|mt{args.max_tokens}")
+
+
+def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd):
+    enc, dec = parse_depth(depth)
+    key = run_key(scheme, depth, seed, args)
+    run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    if run_dir.exists():  # an interrupted earlier attempt: start it again from scratch
+        shutil.rmtree(run_dir)
+    save_dir = run_dir / "ckpt"
+    save_dir.mkdir(parents=True)
+    env = fairseq_env(args.threads)
+    cmd = train_command(args, root / "bin", save_dir, scheme, enc, dec, seed)
+    log(f"run {key}")
+    t0 = time.time()
+    rc, text, cmd_text = run_checked(cmd, env, run_dir / "train.log", echo=args.verbose)
+    wall = time.time() - t0
+    curve = parse_curve(text)
+    (run_dir / "curve.json").write_text(json.dumps(curve))
+    crashed_nan = rc != 0 and ("FloatingPointError" in text or "Nan/Inf" in text)
+    if rc != 0 and not crashed_nan:
+        tail = "\n".join(text.splitlines()[-15:])
+        log(f"fairseq-train failed (rc {rc}) for {key}; not recorded, rerun retries it.\n{tail}")
+        return None
+    status, reason = classify(curve, crashed_nan, unigram_bits, args.stuck_bits,
+                              args.diverge_bits)
+    updates = curve["train"][-1]["update"] if curve["train"] else 0
+    bleu, sig, gen_wall, gen_cmd = float("nan"), "", 0.0, ""
+    if (save_dir / "checkpoint_best.pt").is_file():
+        try:
+            bleu, sig, gen_wall, gen_cmd = generate(args, root, save_dir, run_dir, env)
+        except RuntimeError as err:
+            log(str(err))
+    if not args.keep_checkpoints:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    valid = curve["valid"]
+    best = min(valid, key=lambda p: p["loss"]) if valid else None
+    train = curve["train"]
+
+    def fmt(v, nd=3):
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+    row = {
+        "key": key, "scheme": scheme, "depth": depth, "encoder_layers": enc,
+        "decoder_layers": dec, "seed": seed, "max_update": args.max_update,
+        "embed_dim": args.embed_dim, "ffn_dim": args.ffn_dim, "heads": args.heads,
+        "lr": f"{args.lr:g}", "warmup": args.warmup, "max_tokens": args.max_tokens,
+        "dropout": args.dropout, "status": status, "reason": reason, "updates": updates,
+        "final_train_loss": fmt(train[-1]["loss"]) if train else "",
+        "final_train_nll": fmt(train[-1]["nll"]) if train else "",
+        "min_train_nll": fmt(min(p["nll"] for p in train)) if train else "",
+        "best_valid_loss": fmt(best["loss"]) if best else "",
+        "best_valid_nll": fmt(best["nll"]) if best else "",
+        "best_valid_ppl": fmt(best["ppl"], 1) if best else "",
+        "unigram_entropy_bits": fmt(unigram_bits),
+        "bleu": fmt(bleu, 2), "bleu_signature": sig,
+        "train_wall_s": fmt(wall, 1), "updates_per_s": fmt(updates / wall if wall else 0.0),
+        "generate_wall_s": fmt(gen_wall, 1), "threads": args.threads, "cpu": cpu_name(),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "study_command": study_cmd, "train_command": cmd_text, "generate_command": gen_cmd,
+        "curve_file": str((run_dir / "curve.json").relative_to(args.out)),
+    }
+    log(f"{key}: {status} ({reason}); BLEU {row['bleu']}; {row['updates_per_s']} updates/s")
+    return row
+
+
+# --------------------------------------------------------------------------- outputs
+def read_rows(path: Path):
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def append_row(path: Path, row) -> None:
+    new = not path.is_file()
+    with open(path, "a", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+def depth_order(depth: str):
+    enc, dec = parse_depth(depth)
+    return (enc + dec, enc)
+
+
+SCHEME_ORDER = {s: i for i, s in enumerate(SCHEMES)}
+
+
+def write_table(rows, path: Path) -> None:
+    rows = sorted(rows, key=lambda r: (int(r["embed_dim"]), int(r["max_update"]),
+                                        depth_order(r["depth"]),
+                                        SCHEME_ORDER.get(r["scheme"], 99), int(r["seed"])))
+    lines = [
+        "| # | depth | scheme | d | seed | updates | status | final train nll (bits) | "
+        "best valid nll (bits) / ppl | BLEU | train wall (s) | updates/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows, 1):
+        lines.append(
+            f"| {i} | {r['depth']} | {r['scheme']} | {r['embed_dim']} | {r['seed']} | "
+            f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
+            f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
+            f"{r['train_wall_s']} | {r['updates_per_s']} |"
+        )
+    ents = sorted({r["unigram_entropy_bits"] for r in rows})
+    sigs = sorted({r["bleu_signature"] for r in rows if r["bleu_signature"]})
+    lines += ["", f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
+              f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "", "Commands per row:", ""]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i}. `{r['study_command']}`  \n   train: `{r['train_command']}`  \n"
+                     f"   status reason: {r['reason']}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(rows, out: Path, path: Path) -> None:
+    import logging
+
+    import matplotlib
+
+    # importing fairseq (for the --admin-init check) leaves the root logger at DEBUG
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["embed_dim"], r["max_update"], r["depth"]), []).append(r)
+    keys = sorted(groups, key=lambda k: (int(k[0]), int(k[1]), depth_order(k[2])))
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    colors = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
+              "admin-profile": "tab:purple"}
+    for ax, k in zip(axes[0], keys):
+        ent = None
+        first_seed = {}
+        for r in sorted(groups[k], key=lambda r: (SCHEME_ORDER.get(r["scheme"], 99),
+                                                   int(r["seed"]))):
+            # later seeds of a scheme: same colour, lighter, so the schemes stay readable
+            alpha = 1.0 if first_seed.setdefault(r["scheme"], r["seed"]) == r["seed"] else 0.45
+            curve_path = out / r["curve_file"]
+            if not curve_path.is_file():
+                continue
+            curve = json.loads(curve_path.read_text())
+            c = colors.get(r["scheme"], "black")
+            label = f"{r['scheme']} s{r['seed']} ({r['status']})"
+            ax.plot([p["update"] for p in curve["train"]], [p["nll"] for p in curve["train"]],
+                    color=c, lw=1.2, alpha=alpha, label=label)
+            ax.plot([p["update"] for p in curve["valid"]], [p["nll"] for p in curve["valid"]],
+                    color=c, ls="--", marker="o", ms=3, alpha=alpha)
+            ent = float(r["unigram_entropy_bits"])
+        if ent is not None:
+            ax.axhline(ent, color="gray", lw=0.8, ls=":", label="unigram entropy")
+        ax.set_title(f"{k[2]}, d={k[0]}, {k[1]} updates")
+        ax.set_xlabel("update")
+        ax.set_ylabel("nll (bits/token): train solid, valid dashed")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+TABLE_START = "<!-- depth_study table: start -->"
+TABLE_END = "<!-- depth_study table: end -->"
+
+
+def publish(out: Path, dest: Path) -> None:
+    """Copy the CSV and figure into ``dest`` and refresh the table block of results.md."""
+    page = dest / "results.md"
+    if not page.is_file():
+        raise SystemExit(f"--publish {dest}: {page} does not exist")
+    text = page.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit(f"--publish {dest}: {page} lacks the lines {TABLE_START!r} and "
+                         f"{TABLE_END!r} that delimit the table")
+    shutil.copyfile(out / "results.csv", dest / "depth_study_results.csv")
+    shutil.copyfile(out / "depth_study_loss.png", dest / "depth_study_loss.png")
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    table = (out / "results_table.md").read_text()
+    page.write_text(f"{head}{TABLE_START}\n{table}{TABLE_END}{tail}")
+    log(f"published to {page}, {dest/'depth_study_results.csv'}, {dest/'depth_study_loss.png'}")
+
+
+# --------------------------------------------------------------------------- main
+def check_imports(report_only: bool) -> None:
+    """Fail early, naming what to install, instead of after the data preparation."""
+    needed = ["matplotlib"] if report_only else ["fairseq", "sentencepiece", "sacrebleu",
+                                                 "matplotlib"]
+    missing = []
+    for name in needed:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(
+            f"depth_study needs {', '.join(missing)} in this Python ({sys.executable}); "
+            "run `make install` and use .venv/bin/python (extras: data, plot)"
+        )
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " See the module docstring / docs/results.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data" / "multi30k",
+                   help="folder with Multi30k Task 1 raw gzip text: train/val/test_2016_flickr "
+                        ".en.gz/.de.gz")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "depth_study",
+                   help="output folder: cached data, runs, results.csv, table, figure")
+    p.add_argument("--quick", action="store_true",
+                   help="the headline contrast only: --schemes post-ln,admin --depths 12L-12L "
+                        "with the default width and budget (explicit flags override it)")
+    p.add_argument("--schemes", default="post-ln,pre-ln,admin,admin-profile",
+                   help=f"comma list from: {', '.join(SCHEMES)}")
+    p.add_argument("--depths", default="6L-6L,12L-12L,24L-4L",
+                   help="comma list of <enc>L-<dec>L")
+    p.add_argument("--seeds", default="1", help="comma list of seeds")
+    p.add_argument("--max-update", type=int, default=200, help="updates per run (the budget)")
+    p.add_argument("--embed-dim", type=int, default=64)
+    p.add_argument("--ffn-dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100,
+                   help="inverse_sqrt warmup updates (100: the lr peaks within the default "
+                        "200-update budget; with 400 a d=64 model is still near the unigram "
+                        "level at update 200 whatever the scheme)")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece vocabulary")
+    p.add_argument("--validate-every", type=int, default=0,
+                   help="validate every N updates (0: max_update / 4)")
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2, help="torch threads per run")
+    p.add_argument("--stuck-bits", type=float, default=1.0,
+                   help="'stuck' if the best valid nll is not this far below the unigram "
+                        "entropy of the target side")
+    p.add_argument("--diverge-bits", type=float, default=1.0,
+                   help="'diverged' if the last train nll exceeds its minimum by more")
+    p.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep checkpoint_best.pt of each run (deleted after BLEU otherwise)")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite the table and figure from results.csv")
+    p.add_argument("--publish", type=Path, default=None, metavar="DIR",
+                   help="also copy results.csv -> DIR/depth_study_results.csv, the figure -> "
+                        "DIR/depth_study_loss.png, and put the table into DIR/results.md "
+                        f"between the lines {TABLE_START!r} and {TABLE_END!r}")
+    p.add_argument("--verbose", action="store_true", help="echo fairseq-train's log")
+    return p
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for name, value in QUICK.items():
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        parser.error(f"--schemes: unknown {', '.join(bad)}; valid choices: {', '.join(SCHEMES)}")
+    depths = [d.strip() for d in args.depths.split(",") if d.strip()]
+    for d in depths:
+        parse_depth(d)
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds: {args.seeds!r} is not a comma list of integers")
+    if args.max_update < 1 or args.threads < 1:
+        parser.error("--max-update and --threads must be >= 1")
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv_path = args.out / "results.csv"
+
+    check_imports(args.report_only)
+    if not args.report_only:
+        check_data(args.data)
+        if "admin-profile" in schemes:
+            sys.path.insert(0, str(REPO))
+            from fairseq_admin_pos.models.admin_transformer import ADMIN_INIT_CHOICES
+
+            if "profile" not in ADMIN_INIT_CHOICES:
+                log("this checkout has no --admin-init profile: skipping scheme admin-profile")
+                schemes.remove("admin-profile")
+        root = prepare_data(args.data, args.out, args.vocab, args.threads, args.threads)
+        unigram_bits = unigram_entropy_bits(root)
+        log(f"unigram entropy of train.{TGT}: {unigram_bits:.3f} bits/token")
+        study_cmd = "python benchmarks/depth_study.py " + " ".join(shlex.quote(a) for a in argv)
+        done = {r["key"] for r in read_rows(csv_path)}
+        grid = [(s, d, seed) for d in depths for s in schemes for seed in seeds]
+        log(f"grid: {len(grid)} runs, {sum(run_key(*g, args) in done for g in grid)} already "
+            f"in {csv_path}")
+        for scheme, depth, seed in grid:
+            if run_key(scheme, depth, seed, args) in done:
+                log(f"skip {run_key(scheme, depth, seed, args)} (in results.csv)")
+                continue
+            row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd)
+            if row is not None:
+                append_row(csv_path, row)
+                rows = read_rows(csv_path)
+                write_table(rows, args.out / "results_table.md")
+                write_plot(rows, args.out, args.out / "depth_study_loss.png")
+    rows = read_rows(csv_path)
+    if not rows:
+        log(f"no rows in {csv_path} yet")
+        return 0
+    write_table(rows, args.out / "results_table.md")
+    write_plot(rows, args.out, args.out / "depth_study_loss.png")
+    log(f"{len(rows)} rows in {csv_path}; table {args.out/'results_table.md'}; "
+        f"figure {args.out/'depth_study_loss.png'}")
+    print((args.out / "results_table.md").read_text())
+    if args.publish is not None:
+        publish(args.out, args.publish)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
