@@ -22,3 +22,34 @@ def build(data, arch: str, extra: Sequence[str] = (), seed: int = 1):
     torch.manual_seed(seed)
     model = task.build_model(args)
     return model, task, args
+
+
+def sample_batch(task, bsz=3, src_len=7, tgt_len=5, seed=0, left_pad_lengths=None):
+    """Random ``(src (B, S), src_lengths (B,), prev_output_tokens (B, T))``; sources left-padded
+    to ``left_pad_lengths`` when given (fairseq's default source padding)."""
+    g = torch.Generator().manual_seed(seed)
+    d = task.source_dictionary
+    lo, hi = d.nspecial, len(d)
+    src = torch.randint(lo, hi, (bsz, src_len), generator=g)
+    src[:, -1] = d.eos()
+    lengths = torch.full((bsz,), src_len)
+    if left_pad_lengths is not None:
+        for b, n in enumerate(left_pad_lengths):
+            src[b, : src_len - n] = d.pad()
+            lengths[b] = n
+    prev = torch.randint(lo, hi, (bsz, tgt_len), generator=g)
+    prev[:, 0] = d.eos()
+    return src, lengths, prev
+
+
+def assert_incremental_matches_full(model, task, tgt_len=6, atol=1e-5):
+    """Step-by-step decoding with ``incremental_state`` == one full decoder forward."""
+    model.eval()
+    src, lengths, prev = sample_batch(task, tgt_len=tgt_len, left_pad_lengths=[7, 4, 6])
+    with torch.no_grad():
+        enc = model.encoder(src, src_lengths=lengths)
+        full, _ = model.decoder(prev, encoder_out=enc)
+        state = {}
+        steps = [model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
+                 for t in range(prev.size(1))]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=atol, rtol=atol)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fairseq_admin_pos.admin import OmegaResidual
-from model_utils import build, parse
+from model_utils import assert_incremental_matches_full, build, parse, sample_batch
 
 SMALL = [
     "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
@@ -33,22 +33,6 @@ def expected_omega(n: int, scale: str) -> float:
     if scale == "O(1)":
         return math.sqrt(n)
     return math.sqrt((n + 1) / math.log(n + 1) - 1)
-
-
-def sample_batch(task, bsz=3, src_len=7, tgt_len=5, seed=0, left_pad_lengths=None):
-    g = torch.Generator().manual_seed(seed)
-    d = task.source_dictionary
-    lo, hi = d.nspecial, len(d)
-    src = torch.randint(lo, hi, (bsz, src_len), generator=g)
-    src[:, -1] = d.eos()
-    lengths = torch.full((bsz,), src_len)
-    if left_pad_lengths is not None:
-        for b, n in enumerate(left_pad_lengths):
-            src[b, : src_len - n] = d.pad()
-            lengths[b] = n
-    prev = torch.randint(lo, hi, (bsz, tgt_len), generator=g)
-    prev[:, 0] = d.eos()
-    return src, lengths, prev
 
 
 @pytest.mark.parametrize("enc,dec", [(1, 1), (3, 2), (6, 6)])
@@ -141,15 +125,7 @@ def test_incremental_decoding_matches_full_forward(tiny_data, pos, form):
     model, task, _ = build(tiny_data, "admin_transformer", SMALL + [
         "--encoder-layers", "2", "--decoder-layers", "3", "--encoder-pos-emb", pos,
         "--decoder-pos-emb", pos, "--admin-omega", form])
-    model.eval()
-    src, lengths, prev = sample_batch(task, tgt_len=6, left_pad_lengths=[7, 4, 6])
-    with torch.no_grad():
-        enc = model.encoder(src, src_lengths=lengths)
-        full, _ = model.decoder(prev, encoder_out=enc)
-        state = {}
-        steps = [model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
-                 for t in range(prev.size(1))]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert_incremental_matches_full(model, task)
 
 
 @pytest.mark.parametrize("pos", POS_CHOICES)

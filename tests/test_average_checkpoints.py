@@ -6,7 +6,6 @@ averages are checked against a mean computed here with torch.stack(...).mean in 
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -18,15 +17,14 @@ VENV_BIN = os.path.join(REPO, ".venv", "bin")
 sys.path.insert(0, REPO)
 
 from fairseq_admin_pos import average_checkpoints as avg  # noqa: E402
-
-WORDS = "house dog cat garden city river car book child water tree school road small big".split()
+from fairseq_cli_utils import preprocess, write_reversal_corpus  # noqa: E402
+from fairseq_cli_utils import env as cli_env  # noqa: E402
 
 
 def env():
-    e = dict(os.environ)
+    e = cli_env()
     e["PATH"] = VENV_BIN + os.pathsep + e.get("PATH", "")
     e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
-    e["OMP_NUM_THREADS"] = "1"
     return e
 
 
@@ -35,17 +33,8 @@ def run_dir(tmp_path_factory):
     """3 epochs of admin_transformer_tiny: checkpoint{1,2,3}.pt and checkpoint_E_U.pt every
     2 updates, with trainable omegas (so parameters of the plugin are averaged too)."""
     base = tmp_path_factory.mktemp("avg")
-    rng = random.Random(0)
-    raw = base / "raw"
-    raw.mkdir()
-    src = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(48)]
-    tgt = [" ".join(reversed(s.split())) for s in src]
-    for split in ("train", "valid"):
-        (raw / f"{split}.en").write_text("\n".join(src) + "\n")
-        (raw / f"{split}.de").write_text("\n".join(tgt) + "\n")
-    subprocess.run(["fairseq-preprocess", "-s", "en", "-t", "de", "--trainpref", str(raw / "train"),
-                    "--validpref", str(raw / "valid"), "--destdir", str(base / "bin"),
-                    "--joined-dictionary", "--workers", "1"], check=True, capture_output=True, env=env())
+    write_reversal_corpus(base / "raw", n_train=48, n_valid=8, n_test=8, vocab=15, max_len=8)
+    preprocess(base / "raw", base / "bin")
     save = base / "run"
     result = subprocess.run(
         ["fairseq-train", str(base / "bin"), "--user-dir", os.path.join(REPO, "fairseq_admin_pos"),

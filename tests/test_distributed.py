@@ -11,24 +11,24 @@ A third run without accumulation shows the comparison can tell the difference.
 from __future__ import annotations
 
 import os
-import random
 import socket
 import subprocess
 
 import pytest
 import torch
 
+from fairseq_cli_utils import env as cli_env
+from fairseq_cli_utils import preprocess, write_reversal_corpus
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
-WORDS = "house dog cat garden city river car book child water tree school road small big old".split()
 
 pytestmark = pytest.mark.slow
 
 
 def env():
-    e = dict(os.environ)
+    e = cli_env()
     e["PATH"] = VENV_BIN + os.pathsep + e.get("PATH", "")
-    e["OMP_NUM_THREADS"] = "1"
     for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
                 "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "CUDA_VISIBLE_DEVICES"):
         e.pop(key, None)  # fairseq would infer torchrun / SLURM launching from these
@@ -44,17 +44,8 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     base = tmp_path_factory.mktemp("dist")
-    rng = random.Random(0)
-    raw = base / "raw"
-    raw.mkdir()
-    src = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12))) for _ in range(96)]
-    tgt = [" ".join(reversed(s.split())) for s in src]
-    for split in ("train", "valid"):
-        (raw / f"{split}.en").write_text("\n".join(src) + "\n")
-        (raw / f"{split}.de").write_text("\n".join(tgt) + "\n")
-    subprocess.run(["fairseq-preprocess", "-s", "en", "-t", "de", "--trainpref", str(raw / "train"),
-                    "--validpref", str(raw / "valid"), "--destdir", str(base / "bin"),
-                    "--joined-dictionary", "--workers", "1"], check=True, capture_output=True, env=env())
+    write_reversal_corpus(base / "raw", n_train=96, n_valid=8, n_test=8, vocab=16, max_len=12)
+    preprocess(base / "raw", base / "bin")
     return base
 
 

@@ -34,8 +34,8 @@ from fairseq_cli_utils import (
     run,
     train_losses,
 )
-from model_utils import build
-from test_admin_transformer import SMALL, POS_CHOICES, residuals, sample_batch
+from model_utils import build, sample_batch
+from test_admin_transformer import SMALL, POS_CHOICES, residuals
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

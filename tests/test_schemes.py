@@ -25,8 +25,8 @@ from fairseq_cli_utils import (
     run,
     train_losses,
 )
-from model_utils import build
-from test_admin_transformer import SMALL, residuals, sample_batch
+from model_utils import assert_incremental_matches_full, build, sample_batch
+from test_admin_transformer import SMALL, residuals
 
 
 # --------------------------------------------------------------------------------------- #
@@ -281,15 +281,7 @@ def test_incremental_decoding_matches_full_forward(tiny_data, scheme):
         for m in model.modules():
             if isinstance(m, ReZeroResidual):
                 m.alpha.fill_(0.7)
-    model.eval()
-    src, lengths, prev = sample_batch(task, tgt_len=6, left_pad_lengths=[7, 4, 6])
-    with torch.no_grad():
-        enc = model.encoder(src, src_lengths=lengths)
-        full, _ = model.decoder(prev, encoder_out=enc)
-        state = {}
-        steps = [model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
-                 for t in range(prev.size(1))]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert_incremental_matches_full(model, task)
 
 
 def test_default_scheme_is_admin_and_unchanged(tiny_data):
