@@ -579,19 +579,6 @@ def test_errors_survive_optimized_compile():
             fn()
 
 
-def test_admin_does_not_import_fairseq():
-    import ast
-    with open(ADMIN_PATH) as fh:
-        tree = ast.parse(fh.read())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
-    assert imported <= {"math", "numbers", "typing", "torch"}, imported
-
-
 def test_python_O_subprocess_both_modules(python_O_run):
     """One real ``python -O`` run for admin.py and positional.py (loaded by
     path, so the fairseq-importing package __init__ is not executed): the

@@ -1,5 +1,4 @@
 """Tests for fairseq_admin_pos.positional (pure torch, CPU, seeded)."""
-import ast
 import math
 import os
 import re
@@ -357,15 +356,3 @@ def test_errors_survive_optimized_compile():
     for fn, exc, word in checks:
         with pytest.raises(exc, match=re.escape(word)):
             fn()
-
-
-def test_positional_does_not_import_fairseq():
-    with open(POSITIONAL_PATH) as fh:
-        tree = ast.parse(fh.read())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            imported.add((node.module or "").split(".")[0])
-    assert imported <= {"math", "numbers", "typing", "torch"}, imported
