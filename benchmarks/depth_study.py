@@ -75,17 +75,67 @@ SCHEMES = {
         "--encoder-normalize-before", "--decoder-normalize-before",
     ],
     "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
+    # the d=64 study's profiled Admin: eval-mode statistics, padding excluded, Adam
     "admin-profile": ["--admin-init", "profile", "--admin-omega", "parameter"],
+    # the paper's Admin as Transformer-Clinic runs it: training-mode profiling (dropout on,
+    # padding counted), a trainable omega vector, RAdam
+    "admin-paper": ["--admin-init", "profile", "--admin-profile-mode", "clinic",
+                    "--admin-omega", "parameter", "--optimizer", "radam"],
+    "deepnorm": ["--admin-residual", "deepnorm"],
+}
+
+# position variants (both sides); "sinusoidal" is the default and leaves run keys unchanged
+POSITIONS = {
+    "sinusoidal": [],
+    # fairseq's [sin | cos] table times a learnable scalar that starts at 1: at initialisation
+    # the same model as "sinusoidal", so the row differs from it by the learnable scale alone
+    "scaled-sinusoidal": [
+        "--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal",
+        "--pos-emb-scaled-table", "fairseq", "--pos-emb-scale-init", "1",
+    ],
+    # the seed module as it is: interleaved table, scale starting at 1/sqrt(d)
+    "scaled-sinusoidal-seed": [
+        "--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal",
+    ],
+    "learned": ["--encoder-pos-emb", "learned", "--decoder-pos-emb", "learned"],
+}
+
+# recipes: the demo's (default) and the first, d=64 study's (issue 6, rows kept in the docs)
+PRESETS = {
+    "demo": dict(embed_dim=128, ffn_dim=512, heads=4, lr=2e-3, warmup=400, max_tokens=4096,
+                 max_update=700),
+    "d64": dict(embed_dim=64, ffn_dim=256, heads=4, lr=2e-3, warmup=100, max_tokens=4096,
+                max_update=200),
+}
+
+# the grid of the demo-scale study, most informative runs first: a run that is not reached
+# before the machine is taken away costs the least
+_ALL5 = ("post-ln", "admin", "pre-ln", "deepnorm", "admin-paper")
+_DEEP_ENC = "24L-3L"
+PLANS = {
+    "demo-scale": (
+        [(s, "12L-12L", 1, "sinusoidal") for s in _ALL5]
+        + [(s, _DEEP_ENC, 1, "sinusoidal") for s in _ALL5]
+        + [(s, "6L-6L", 1, "sinusoidal") for s in _ALL5]
+        + [("admin", "12L-3L", 1, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
+        + [(s, "12L-12L", 2, "sinusoidal") for s in _ALL5]
+        + [(s, _DEEP_ENC, 2, "sinusoidal") for s in ("admin", "pre-ln", "admin-paper")]
+        + [("admin", "12L-3L", 2, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
+        + [(s, "12L-12L", 3, "sinusoidal") for s in _ALL5]
+        + [(s, _DEEP_ENC, 3, "sinusoidal") for s in ("admin", "pre-ln", "admin-paper")]
+        + [("admin", "12L-3L", seed, "scaled-sinusoidal-seed") for seed in (1, 2)]
+    ),
 }
 
 CSV_FIELDS = [
-    "key", "scheme", "depth", "encoder_layers", "decoder_layers", "seed", "max_update",
+    "key", "study", "scheme", "positions", "depth", "encoder_layers", "decoder_layers", "seed",
+    "max_update",
     "embed_dim", "ffn_dim", "heads", "lr", "warmup", "max_tokens", "dropout",
     "status", "reason", "updates", "final_train_loss", "final_train_nll", "min_train_nll",
     "best_valid_loss", "best_valid_nll", "best_valid_ppl", "unigram_entropy_bits",
     "bleu", "bleu_signature", "train_wall_s", "updates_per_s", "generate_wall_s",
     "threads", "cpu", "finished_utc", "study_command", "train_command",
-    "generate_command", "curve_file",
+    "generate_command", "curve_file", "final_shortcuts",
 ]
 
 # --quick is a subset of the default grid (same width and budget), so its rows are grid rows
@@ -313,18 +363,22 @@ def classify(curve, crashed_nan: bool, unigram_bits: float, stuck_bits: float,
 
 
 def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, dec: int,
-                  seed: int):
+                  seed: int, positions: str = "sinusoidal"):
     d, f, h = args.embed_dim, args.ffn_dim, args.heads
     valid_every = args.validate_every or max(10, args.max_update // 4)
+    scheme_flags = SCHEMES[scheme]
+    # a scheme may bring its own optimizer (admin-paper: RAdam, as Transformer-Clinic)
+    optimizer = [] if "--optimizer" in scheme_flags else ["--optimizer", "adam"]
     cmd = [
         sys.executable, "-m", "fairseq_cli.train", bin_dir,
-        "--user-dir", USER_DIR, "--arch", "admin_transformer", *SCHEMES[scheme],
+        "--user-dir", USER_DIR, "--arch", "admin_transformer", *scheme_flags,
+        *POSITIONS[positions],
         "--encoder-layers", enc, "--decoder-layers", dec,
         "--encoder-embed-dim", d, "--decoder-embed-dim", d,
         "--encoder-ffn-embed-dim", f, "--decoder-ffn-embed-dim", f,
         "--encoder-attention-heads", h, "--decoder-attention-heads", h,
         "--share-all-embeddings", "--dropout", args.dropout,
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+        *optimizer, "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
         "--lr", args.lr, "--lr-scheduler", "inverse_sqrt", "--warmup-updates", args.warmup,
         "--warmup-init-lr", "1e-07",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -335,6 +389,45 @@ def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, de
         "--cpu", "--num-workers", 0,
     ]
     return [str(c) for c in cmd]
+
+
+def unsupported_flags(scheme: str, positions: str, env) -> list:
+    """Flags (or ``--optimizer`` values) of this variant that this checkout's fairseq-train
+    does not know: such runs are left for a later call instead of failing."""
+    cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
+           "--arch", "admin_transformer", "--help"]
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
+    flags = SCHEMES[scheme] + POSITIONS[positions]
+    missing = [f for f in flags if f.startswith("--") and f not in out]
+    for i, f in enumerate(flags[:-1]):
+        if f in ("--optimizer", "--encoder-pos-emb", "--pos-emb-scaled-table") and \
+                not re.search(r"[{,]" + re.escape(flags[i + 1]) + r"[,}]", out):
+            missing.append(f"{f} {flags[i + 1]}")
+    return missing
+
+
+def final_shortcuts(ckpt: Path) -> dict:
+    """The trained shortcut weights and position scales in a checkpoint: per stack, mean /
+    min / max of the omega vectors (or ReZero scalars), and each side's position scale."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from fairseq_admin_pos.checkpoint_compat import allow_fairseq_checkpoints
+
+    allow_fairseq_checkpoints()
+    state = torch.load(ckpt, map_location="cpu")["model"]
+    out = {}
+    for side in ("encoder", "decoder"):
+        omegas = [v.float().flatten() for k, v in state.items()
+                  if k.startswith(side + ".") and k.endswith(".omega")]
+        if omegas:
+            cat = torch.cat(omegas)
+            out[f"{side}_omega"] = [round(cat.mean().item(), 4), round(cat.min().item(), 4),
+                                    round(cat.max().item(), 4)]
+        scale = state.get(f"{side}.embed_positions.embed.scaling")
+        if scale is not None:
+            out[f"{side}_pos_scale"] = round(scale.float().item(), 4)
+    return out
 
 
 def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
@@ -373,21 +466,26 @@ def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
     return score.score, sig, wall, cmd_text
 
 
-def run_key(scheme, depth, seed, args) -> str:
-    return (f"{scheme}|{depth}|seed{seed}|{args.max_update}upd|d{args.embed_dim}"
-            f"|lr{args.lr:g}|wu{args.warmup}|mt{args.max_tokens}")
+def run_key(scheme, depth, seed, args, positions: str = "sinusoidal") -> str:
+    key = (f"{scheme}|{depth}|seed{seed}|{args.max_update}upd|d{args.embed_dim}"
+           f"|lr{args.lr:g}|wu{args.warmup}|mt{args.max_tokens}")
+    return key if positions == "sinusoidal" else f"{key}|pos-{positions}"
 
 
-def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd):
+def study_name(args) -> str:
+    return f"d{args.embed_dim}-{args.max_update}upd"
+
+
+def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions="sinusoidal"):
     enc, dec = parse_depth(depth)
-    key = run_key(scheme, depth, seed, args)
+    key = run_key(scheme, depth, seed, args, positions)
     run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
     if run_dir.exists():  # an interrupted earlier attempt: start it again from scratch
         shutil.rmtree(run_dir)
     save_dir = run_dir / "ckpt"
     save_dir.mkdir(parents=True)
     env = fairseq_env(args.threads)
-    cmd = train_command(args, root / "bin", save_dir, scheme, enc, dec, seed)
+    cmd = train_command(args, root / "bin", save_dir, scheme, enc, dec, seed, positions)
     log(f"run {key}")
     t0 = time.time()
     rc, text, cmd_text = run_checked(cmd, env, run_dir / "train.log", echo=args.verbose)
@@ -408,6 +506,9 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd):
             bleu, sig, gen_wall, gen_cmd = generate(args, root, save_dir, run_dir, env)
         except RuntimeError as err:
             log(str(err))
+    shortcuts = {}
+    if (save_dir / "checkpoint_last.pt").is_file():
+        shortcuts = final_shortcuts(save_dir / "checkpoint_last.pt")
     if not args.keep_checkpoints:
         shutil.rmtree(save_dir, ignore_errors=True)
     valid = curve["valid"]
@@ -418,7 +519,8 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd):
         return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
 
     row = {
-        "key": key, "scheme": scheme, "depth": depth, "encoder_layers": enc,
+        "key": key, "study": study_name(args), "scheme": scheme, "positions": positions,
+        "depth": depth, "encoder_layers": enc,
         "decoder_layers": dec, "seed": seed, "max_update": args.max_update,
         "embed_dim": args.embed_dim, "ffn_dim": args.ffn_dim, "heads": args.heads,
         "lr": f"{args.lr:g}", "warmup": args.warmup, "max_tokens": args.max_tokens,
@@ -436,6 +538,7 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd):
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "study_command": study_cmd, "train_command": cmd_text, "generate_command": gen_cmd,
         "curve_file": str((run_dir / "curve.json").relative_to(args.out)),
+        "final_shortcuts": json.dumps(shortcuts, sort_keys=True) if shortcuts else "",
     }
     log(f"{key}: {status} ({reason}); BLEU {row['bleu']}; {row['updates_per_s']} updates/s")
     return row
@@ -446,16 +549,24 @@ def read_rows(path: Path):
     if not path.is_file():
         return []
     with open(path, newline="") as fh:
-        return list(csv.DictReader(fh))
+        rows = list(csv.DictReader(fh))
+    for r in rows:  # rows written before a column existed
+        for f in CSV_FIELDS:
+            r.setdefault(f, "")
+        r["study"] = r["study"] or f"d{r['embed_dim']}-{r['max_update']}upd"
+        r["positions"] = r["positions"] or "sinusoidal"
+    return rows
 
 
 def append_row(path: Path, row) -> None:
-    new = not path.is_file()
-    with open(path, "a", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    """Add ``row``; the file is rewritten (atomically) so older rows gain new columns."""
+    rows = read_rows(path) + [row]
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
 
 
 def depth_order(depth: str):
@@ -464,35 +575,119 @@ def depth_order(depth: str):
 
 
 SCHEME_ORDER = {s: i for i, s in enumerate(SCHEMES)}
+POS_ORDER = {p: i for i, p in enumerate(POSITIONS)}
+STUDY_TITLES = {
+    "d128-700upd": "Demo scale: d=128, 700 updates (the `make demo` recipe)",
+    "d64-200upd": "The first study: d=64, 200 updates (issue 6)",
+}
 
 
-def write_table(rows, path: Path) -> None:
-    rows = sorted(rows, key=lambda r: (int(r["embed_dim"]), int(r["max_update"]),
-                                        depth_order(r["depth"]),
-                                        SCHEME_ORDER.get(r["scheme"], 99), int(r["seed"])))
+def _study_order(study: str):
+    m = re.fullmatch(r"d(\d+)-(\d+)upd", study)
+    return (-int(m.group(1)), -int(m.group(2))) if m else (0, 0)
+
+
+def _row_order(r):
+    return (_study_order(r["study"]), depth_order(r["depth"]),
+            POS_ORDER.get(r["positions"], 99), SCHEME_ORDER.get(r["scheme"], 99),
+            int(r["seed"]))
+
+
+def _num(v):
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _mean_spread(values, nd=2):
+    """``mean +- sample std (min-max)`` of the finite values."""
+    xs = [v for v in (_num(v) for v in values) if v is not None]
+    if not xs:
+        return "-"
+    mean = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return f"{mean:.{nd}f}"
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    return f"{mean:.{nd}f} +- {std:.{nd}f} ({min(xs):.{nd}f}-{max(xs):.{nd}f})"
+
+
+def summary_lines(rows):
+    """One line per (depth, positions, scheme): seeds, statuses, BLEU and valid nll as
+    mean +- sample standard deviation (min-max) over the seeds."""
+    groups = {}
+    for r in sorted(rows, key=_row_order):
+        groups.setdefault((r["depth"], r["positions"], r["scheme"]), []).append(r)
     lines = [
-        "| # | depth | scheme | d | seed | updates | status | final train nll (bits) | "
-        "best valid nll (bits) / ppl | BLEU | train wall (s) | updates/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| depth | positions | scheme | seeds | status | BLEU mean +- std (min-max) | "
+        "best valid nll (bits) mean +- std (min-max) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for i, r in enumerate(rows, 1):
+    for (depth, pos, scheme), rs in groups.items():
+        statuses = Counter(r["status"] for r in rs)
+        status = ", ".join(f"{n} {st}" for st, n in sorted(statuses.items()))
         lines.append(
-            f"| {i} | {r['depth']} | {r['scheme']} | {r['embed_dim']} | {r['seed']} | "
-            f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
-            f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
-            f"{r['train_wall_s']} | {r['updates_per_s']} |"
+            f"| {depth} | {pos} | {scheme} | {','.join(r['seed'] for r in rs)} | {status} | "
+            f"{_mean_spread([r['bleu'] for r in rs])} | "
+            f"{_mean_spread([r['best_valid_nll'] for r in rs], 3)} |"
         )
+    return lines
+
+
+def write_table(rows, path: Path, planned=()) -> None:
+    """Per study: the summary over seeds, every row, and (for the running plan) the rows
+    still missing; then the commands of every row."""
+    rows = sorted(rows, key=_row_order)
+    studies = sorted({r["study"] for r in rows}, key=_study_order)
+    lines = []
+    n = 0
+    numbered = []
+    for study in studies:
+        rs = [r for r in rows if r["study"] == study]
+        lines += [f"### {STUDY_TITLES.get(study, study)}", "",
+                  "Summary over seeds:", ""] + summary_lines(rs)
+        lines += [
+            "", "Every run:", "",
+            "| # | depth | positions | scheme | seed | updates | status | final train nll (bits) | "
+            "best valid nll (bits) / ppl | BLEU | final shortcut weights / position scale | "
+            "train wall (s) | updates/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rs:
+            n += 1
+            numbered.append(r)
+            shortcuts = json.loads(r["final_shortcuts"]) if r["final_shortcuts"] else {}
+            shown = "; ".join(
+                f"{k} " + ("/".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}")
+                for k, v in sorted(shortcuts.items())) or "-"
+            lines.append(
+                f"| {n} | {r['depth']} | {r['positions']} | {r['scheme']} | {r['seed']} | "
+                f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
+                f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
+                f"{shown} | {r['train_wall_s']} | {r['updates_per_s']} |"
+            )
+        missing = [m for m in planned if m[0] == study]
+        if missing:
+            lines += ["", f"Still missing from the plan ({len(missing)} runs): " + ", ".join(
+                f"{scheme} {depth} seed {seed}" + ("" if pos == "sinusoidal" else f" ({pos})")
+                for _, scheme, depth, seed, pos in missing) + "."]
+        lines.append("")
     ents = sorted({r["unigram_entropy_bits"] for r in rows})
     sigs = sorted({r["bleu_signature"] for r in rows if r["bleu_signature"]})
-    lines += ["", f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
-              f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "", "Commands per row:", ""]
-    for i, r in enumerate(rows, 1):
+    lines += [f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
+              f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "",
+              "Omega columns: mean/min/max over every omega entry of the stack after the last "
+              "update; position scale: the learned scalar of the scaled sinusoid.", "",
+              "Commands per row:", ""]
+    for i, r in enumerate(numbered, 1):
         lines.append(f"{i}. `{r['study_command']}`  \n   train: `{r['train_command']}`  \n"
                      f"   status reason: {r['reason']}")
     path.write_text("\n".join(lines) + "\n")
 
 
 def write_plot(rows, out: Path, path: Path) -> None:
+    """Loss curves of the newest study, one panel per depth (rows whose curve file is here)."""
     import logging
 
     import matplotlib
@@ -502,39 +697,43 @@ def write_plot(rows, out: Path, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if (out / r["curve_file"]).is_file()]
+    if not rows:
+        return
+    newest = min({r["study"] for r in rows}, key=_study_order)
     groups = {}
     for r in rows:
-        groups.setdefault((r["embed_dim"], r["max_update"], r["depth"]), []).append(r)
-    keys = sorted(groups, key=lambda k: (int(k[0]), int(k[1]), depth_order(k[2])))
-    if not keys:
-        return
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+        if r["study"] == newest:
+            groups.setdefault(r["depth"], []).append(r)
+    keys = sorted(groups, key=depth_order)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.5), squeeze=False)
     colors = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
-              "admin-profile": "tab:purple"}
+              "admin-profile": "tab:purple", "admin-paper": "tab:purple",
+              "deepnorm": "tab:orange"}
+    pos_colors = {"sinusoidal": "tab:green", "scaled-sinusoidal": "tab:olive",
+                  "scaled-sinusoidal-seed": "tab:brown", "learned": "tab:cyan"}
     for ax, k in zip(axes[0], keys):
         ent = None
         first_seed = {}
-        for r in sorted(groups[k], key=lambda r: (SCHEME_ORDER.get(r["scheme"], 99),
-                                                   int(r["seed"]))):
-            # later seeds of a scheme: same colour, lighter, so the schemes stay readable
-            alpha = 1.0 if first_seed.setdefault(r["scheme"], r["seed"]) == r["seed"] else 0.45
-            curve_path = out / r["curve_file"]
-            if not curve_path.is_file():
-                continue
-            curve = json.loads(curve_path.read_text())
-            c = colors.get(r["scheme"], "black")
-            label = f"{r['scheme']} s{r['seed']} ({r['status']})"
+        by_pos = len({r["positions"] for r in groups[k]}) > 1
+        for r in sorted(groups[k], key=_row_order):
+            name = r["positions"] if by_pos else r["scheme"]
+            # later seeds: same colour, lighter, so the variants stay readable
+            alpha = 1.0 if first_seed.setdefault(name, r["seed"]) == r["seed"] else 0.4
+            curve = json.loads((out / r["curve_file"]).read_text())
+            c = (pos_colors if by_pos else colors).get(name, "black")
+            label = f"{name} s{r['seed']} ({r['status']}, BLEU {r['bleu'] or '-'})"
             ax.plot([p["update"] for p in curve["train"]], [p["nll"] for p in curve["train"]],
-                    color=c, lw=1.2, alpha=alpha, label=label)
+                    color=c, lw=1.1, alpha=alpha, label=label)
             ax.plot([p["update"] for p in curve["valid"]], [p["nll"] for p in curve["valid"]],
                     color=c, ls="--", marker="o", ms=3, alpha=alpha)
             ent = float(r["unigram_entropy_bits"])
         if ent is not None:
             ax.axhline(ent, color="gray", lw=0.8, ls=":", label="unigram entropy")
-        ax.set_title(f"{k[2]}, d={k[0]}, {k[1]} updates")
+        ax.set_title(f"{k}, {newest}" + (" (Admin, position variants)" if by_pos else ""))
         ax.set_xlabel("update")
         ax.set_ylabel("nll (bits/token): train solid, valid dashed")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -591,25 +790,39 @@ def build_parser():
                         ".en.gz/.de.gz")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "depth_study",
                    help="output folder: cached data, runs, results.csv, table, figure")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="demo",
+                   help="recipe: demo = the make-demo recipe (d 128, FFN 512, lr 2e-3, warmup "
+                        "400, 700 updates); d64 = the first study (d 64, FFN 256, warmup 100, "
+                        "200 updates). Explicit --embed-dim etc. override it")
+    p.add_argument("--plan", choices=sorted(PLANS), default=None,
+                   help="run a predefined grid instead of --schemes x --depths x --seeds: "
+                        "demo-scale = 5 schemes x {6L-6L, 12L-12L, " + _DEEP_ENC + "} with 3 "
+                        "seeds at 12L-12L and for the deep-encoder admin/admin-paper/pre-ln "
+                        "rows, plus the position variants at 12L-3L (2 seeds), most "
+                        "informative runs first")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only: --schemes post-ln,admin --depths 12L-12L "
                         "with the default width and budget (explicit flags override it)")
-    p.add_argument("--schemes", default="post-ln,pre-ln,admin,admin-profile",
+    p.add_argument("--schemes", default="post-ln,pre-ln,admin,admin-paper,deepnorm",
                    help=f"comma list from: {', '.join(SCHEMES)}")
-    p.add_argument("--depths", default="6L-6L,12L-12L,24L-4L",
+    p.add_argument("--positions", default="sinusoidal",
+                   help=f"comma list of position variants from: {', '.join(POSITIONS)}")
+    p.add_argument("--depths", default="6L-6L,12L-12L," + _DEEP_ENC,
                    help="comma list of <enc>L-<dec>L")
     p.add_argument("--seeds", default="1", help="comma list of seeds")
-    p.add_argument("--max-update", type=int, default=200, help="updates per run (the budget)")
-    p.add_argument("--embed-dim", type=int, default=64)
-    p.add_argument("--ffn-dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--max-update", type=int, default=None,
+                   help="updates per run (the budget; default: the preset's)")
+    p.add_argument("--embed-dim", type=int, default=None, help="default: the preset's")
+    p.add_argument("--ffn-dim", type=int, default=None, help="default: the preset's")
+    p.add_argument("--heads", type=int, default=None, help="default: the preset's")
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=100,
-                   help="inverse_sqrt warmup updates (100: the lr peaks within the default "
-                        "200-update budget; with 400 a d=64 model is still near the unigram "
-                        "level at update 200 whatever the scheme)")
-    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=None, help="default: the preset's")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="inverse_sqrt warmup updates (default: the preset's; d64 uses 100 so "
+                        "the lr peaks within its 200-update budget)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the preset's")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time (each with --threads torch threads)")
     p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece vocabulary")
     p.add_argument("--validate-every", type=int, default=0,
                    help="validate every N updates (0: max_update / 4)")
@@ -632,6 +845,13 @@ def build_parser():
     return p
 
 
+def _grid(args, schemes, depths, seeds, positions):
+    if args.plan:
+        return list(PLANS[args.plan])
+    return [(s, d, seed, pos) for d in depths for pos in positions for s in schemes
+            for seed in seeds]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -641,10 +861,18 @@ def main(argv=None):
         for name, value in QUICK.items():
             if "--" + name.replace("_", "-") not in given:
                 setattr(args, name, value)
+    for name, value in PRESETS[args.preset].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     bad = [s for s in schemes if s not in SCHEMES]
     if bad:
         parser.error(f"--schemes: unknown {', '.join(bad)}; valid choices: {', '.join(SCHEMES)}")
+    positions = [s.strip() for s in args.positions.split(",") if s.strip()]
+    bad = [s for s in positions if s not in POSITIONS]
+    if bad:
+        parser.error(f"--positions: unknown {', '.join(bad)}; valid choices: "
+                     f"{', '.join(POSITIONS)}")
     depths = [d.strip() for d in args.depths.split(",") if d.strip()]
     for d in depths:
         parse_depth(d)
@@ -652,52 +880,90 @@ def main(argv=None):
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         parser.error(f"--seeds: {args.seeds!r} is not a comma list of integers")
-    if args.max_update < 1 or args.threads < 1:
-        parser.error("--max-update and --threads must be >= 1")
+    if args.max_update < 1 or args.threads < 1 or args.jobs < 1:
+        parser.error("--max-update, --threads and --jobs must be >= 1")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "results.csv"
+    grid = _grid(args, schemes, depths, seeds, positions)
 
     check_imports(args.report_only)
     if not args.report_only:
         check_data(args.data)
-        if "admin-profile" in schemes:
-            sys.path.insert(0, str(REPO))
-            from fairseq_admin_pos.models.admin_transformer import ADMIN_INIT_CHOICES
-
-            if "profile" not in ADMIN_INIT_CHOICES:
-                log("this checkout has no --admin-init profile: skipping scheme admin-profile")
-                schemes.remove("admin-profile")
         root = prepare_data(args.data, args.out, args.vocab, args.threads, args.threads)
         unigram_bits = unigram_entropy_bits(root)
         log(f"unigram entropy of train.{TGT}: {unigram_bits:.3f} bits/token")
         study_cmd = "python benchmarks/depth_study.py " + " ".join(shlex.quote(a) for a in argv)
-        done = {r["key"] for r in read_rows(csv_path)}
-        grid = [(s, d, seed) for d in depths for s in schemes for seed in seeds]
-        log(f"grid: {len(grid)} runs, {sum(run_key(*g, args) in done for g in grid)} already "
-            f"in {csv_path}")
-        for scheme, depth, seed in grid:
-            if run_key(scheme, depth, seed, args) in done:
-                log(f"skip {run_key(scheme, depth, seed, args)} (in results.csv)")
-                continue
-            row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd)
-            if row is not None:
-                append_row(csv_path, row)
-                rows = read_rows(csv_path)
-                write_table(rows, args.out / "results_table.md")
-                write_plot(rows, args.out, args.out / "depth_study_loss.png")
+        run_grid(args, root, grid, unigram_bits, study_cmd, csv_path)
     rows = read_rows(csv_path)
     if not rows:
         log(f"no rows in {csv_path} yet")
         return 0
-    write_table(rows, args.out / "results_table.md")
+    done = {r["key"] for r in rows}
+    missing = [(study_name(args), *g) for g in grid if run_key(*g[:3], args, g[3]) not in done]
+    write_table(rows, args.out / "results_table.md", missing)
     write_plot(rows, args.out, args.out / "depth_study_loss.png")
     log(f"{len(rows)} rows in {csv_path}; table {args.out/'results_table.md'}; "
         f"figure {args.out/'depth_study_loss.png'}")
+    if missing:
+        log(f"{len(missing)} runs of this grid are still missing (listed in the table)")
     print((args.out / "results_table.md").read_text())
     if args.publish is not None:
         publish(args.out, args.publish)
     return 0
+
+
+def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
+    """Run the grid's missing runs, ``--jobs`` at a time, in grid order.
+
+    A variant whose flags this checkout's fairseq-train does not know is passed over (and
+    asked about again ten minutes later, so that code landing while a long grid runs is
+    picked up); what is left is listed as missing and a later call runs it."""
+    import threading
+
+    done = {r["key"] for r in read_rows(csv_path)}
+    pending = [g for g in grid if run_key(*g[:3], args, g[3]) not in done]
+    log(f"grid: {len(grid)} runs, {len(grid) - len(pending)} already in {csv_path}")
+    lock = threading.Lock()
+    env = fairseq_env(args.threads)
+    known = {}  # (scheme, positions) -> (time asked, missing flags)
+
+    def next_item():
+        with lock:
+            for item in list(pending):
+                variant = (item[0], item[3])
+                asked, missing = known.get(variant, (None, None))
+                if asked is None or (missing and time.time() - asked > 600):
+                    missing = unsupported_flags(*variant, env)
+                    known[variant] = (time.time(), missing)
+                    if missing:
+                        log(f"passing over {variant[0]} / {variant[1]}: this checkout's "
+                            f"fairseq-train does not know {', '.join(missing)}")
+                if not missing:
+                    pending.remove(item)
+                    return item
+            return None
+
+    def worker():
+        while (item := next_item()) is not None:
+            scheme, depth, seed, pos = item
+            row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, pos)
+            if row is None:
+                continue
+            with lock:
+                append_row(csv_path, row)
+                rows = read_rows(csv_path)
+                done_keys = {r["key"] for r in rows}
+                missing = [(study_name(args), *g) for g in grid
+                           if run_key(*g[:3], args, g[3]) not in done_keys]
+                write_table(rows, args.out / "results_table.md", missing)
+                write_plot(rows, args.out, args.out / "depth_study_loss.png")
+
+    threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":
