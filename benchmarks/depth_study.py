@@ -147,6 +147,20 @@ def log(msg: str) -> None:
     print(f"[depth_study {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def relative(text: str, out: Path | None = None) -> str:
+    """A command as the docs show it: relative to the repository root, no machine paths
+    (this interpreter -> ``python``, the output folder -> ``OUT``)."""
+    text = re.sub(r"\S*/\.venv/bin/python\b", "python", text)
+    text = text.replace(sys.executable, "python")
+    if out is not None:
+        text = text.replace(str(out), "OUT")
+    text = text.replace(str(REPO) + "/", "")
+    # rows recorded by other checkouts (an earlier study ran from another folder)
+    text = re.sub(r"/\S*?/(fairseq_admin_pos|benchmarks)\b", r"\1", text)
+    text = re.sub(r"/\S*/runs/depth_study\b", "OUT", text)
+    return text
+
+
 def show(cmd) -> str:
     text = " ".join(shlex.quote(str(c)) for c in cmd)
     print(f"\n$ {text}", flush=True)
@@ -553,6 +567,8 @@ def read_rows(path: Path):
     for r in rows:  # rows written before a column existed
         for f in CSV_FIELDS:
             r.setdefault(f, "")
+        for f in ("train_command", "generate_command", "study_command"):
+            r[f] = relative(r[f], path.parent)
         r["study"] = r["study"] or f"d{r['embed_dim']}-{r['max_update']}upd"
         r["positions"] = r["positions"] or "sinusoidal"
     return rows
