@@ -13,4 +13,4 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests
 
 demo: install
-	$(PY) -m fairseq_admin_pos.demo --data $(MULTI30K) --out $(DEMO_OUT)
+	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT)

@@ -30,8 +30,8 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "fairseq-admin-analyze = fairseq_admin_pos.analyze:cli_main",
-            "fairseq-admin-average-checkpoints = fairseq_admin_pos.average_checkpoints:cli_main",
+            "fairseq-admin-analyze = fairseq_admin_pos.cli.analyze:cli_main",
+            "fairseq-admin-average-checkpoints = fairseq_admin_pos.cli.average_checkpoints:cli_main",
         ],
     },
     classifiers=[

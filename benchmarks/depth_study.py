@@ -426,7 +426,7 @@ def final_shortcuts(ckpt: Path) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from fairseq_admin_pos.checkpoint_compat import allow_fairseq_checkpoints
+    from fairseq_admin_pos.fairseq_fixes.checkpoint_compat import allow_fairseq_checkpoints
 
     allow_fairseq_checkpoints()
     state = torch.load(ckpt, map_location="cpu")["model"]

@@ -169,7 +169,7 @@ def memory_worker(args) -> None:
 def prepare(args) -> Path:
     if args.data is not None:
         return args.data
-    from fairseq_admin_pos import demo
+    from fairseq_admin_pos.cli import demo
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -1,25 +1,79 @@
 """fairseq-admin-pos: a fairseq ``--user-dir`` plugin for very deep Transformers.
 
-Importing the package registers everything with fairseq:
+Layout:
 
-* the ``admin_transformer`` model and its architectures (``fairseq_admin_pos.models``);
-* the allow-list that lets torch >= 2.6 load fairseq checkpoints with
-  ``weights_only=True`` (``fairseq_admin_pos.checkpoint_compat``);
-* two narrow fixes to the fairseq we run on: ``--help`` lists the model's flags
-  (``cli_help``), and batching no longer drops the last < 8 sentences of a split, which made
-  ``fairseq-generate`` score only part of a test set (``batching_fix``).
+* pure torch, no fairseq: :mod:`~fairseq_admin_pos.admin` (Admin residual, admin-torch's
+  API), :mod:`~fairseq_admin_pos.positional` (absolute position modules, the seed's API),
+  :mod:`~fairseq_admin_pos.profiling` (Admin's profiling statistics and recurrence),
+  :mod:`~fairseq_admin_pos.schemes` (DeepNorm, ReZero);
+* fairseq glue: :mod:`~fairseq_admin_pos.models` (the ``admin_transformer`` model, its
+  layers, positions and profiling trigger) and :mod:`~fairseq_admin_pos.optim` (``radam``);
+* :mod:`~fairseq_admin_pos.fairseq_fixes`: narrow fixes to the fairseq we run on
+  (torch >= 2.6 checkpoint loading, ``--help`` with the model's flags, batching that no
+  longer drops the last sentences of a split);
+* :mod:`~fairseq_admin_pos.cli`: ``fairseq-admin-analyze``,
+  ``fairseq-admin-average-checkpoints`` and ``make demo``.
 
-The pure-torch building blocks import neither fairseq nor this package's glue:
-``fairseq_admin_pos.admin`` (Admin residual, seed API of admin-torch) and
-``fairseq_admin_pos.positional`` (absolute position modules).
+Importing this package does not import fairseq, so the pure blocks work where fairseq is
+not installed and import in milliseconds. The fairseq side is registered by
+:func:`register`: at once when fairseq is already imported (``--user-dir
+fairseq_admin_pos``, hub loading with ``user_dir``, or ``import fairseq`` first), otherwise
+the moment fairseq's own import finishes. Either way ``import fairseq_admin_pos`` is all a
+Python user needs before using fairseq's registries.
 """
-from fairseq_admin_pos.checkpoint_compat import allow_fairseq_checkpoints
+from __future__ import annotations
 
-allow_fairseq_checkpoints()
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
+__all__ = ["register", "__version__"]
 
-from fairseq_admin_pos import batching_fix, cli_help, models  # noqa: E402,F401  (registers the model)
+_registered = False
 
-cli_help.install()
-batching_fix.install()
+
+def register() -> None:
+    """Register the model, architectures and optimizer with fairseq and install the fixes
+    (idempotent). Imports fairseq."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from fairseq_admin_pos.fairseq_fixes import (batching_fix, checkpoint_compat,
+                                                 cli_help)
+
+    checkpoint_compat.allow_fairseq_checkpoints()
+    from fairseq_admin_pos import models, optim  # noqa: F401  (their imports register)
+
+    cli_help.install()
+    batching_fix.install()
+
+
+class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
+    """Runs :func:`register` right after the top-level ``fairseq`` package has executed.
+
+    It only wraps the loader of that one module (found by the other finders) and then takes
+    itself off ``sys.meta_path``; every other import is untouched."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "fairseq":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            register()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "fairseq" in sys.modules:
+    register()
+elif not any(isinstance(f, _RegisterAfterFairseq) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterFairseq())

@@ -109,6 +109,8 @@ def train_losses(stdout_and_err: str) -> List[str]:
 
 
 def load_model_state(ckpt: Path) -> Dict[str, torch.Tensor]:
-    import fairseq_admin_pos  # noqa: F401  (allow-list for weights_only loading)
+    import fairseq_admin_pos
+
+    fairseq_admin_pos.register()  # the allow-list for weights_only loading
 
     return torch.load(ckpt, map_location="cpu")["model"]

@@ -17,14 +17,14 @@ import torch
 
 from fairseq_cli_utils import REPO, env
 
-from fairseq_admin_pos import analyze
+from fairseq_admin_pos.cli import analyze
 
 SMALL = ["--embed-dim", "16", "--ffn-dim", "32", "--heads", "2"]
 DEPTHS = [1, 2, 4, 8]
 
 
 def run_tool(args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "fairseq_admin_pos.analyze", *map(str, args)],
+    proc = subprocess.run([sys.executable, "-m", "fairseq_admin_pos.cli.analyze", *map(str, args)],
                           cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
 sys.path.insert(0, REPO)
 
-from fairseq_admin_pos import average_checkpoints as avg  # noqa: E402
+from fairseq_admin_pos.cli import average_checkpoints as avg  # noqa: E402
 from fairseq_cli_utils import preprocess, write_reversal_corpus  # noqa: E402
 from fairseq_cli_utils import env as cli_env  # noqa: E402
 
@@ -203,8 +203,8 @@ def test_selection_errors(run_dir, tmp_path, args, message, run_cli):
 
 def test_console_entry_point(run_dir, tmp_path):
     """The console script's target (setup.py: fairseq-admin-average-checkpoints =
-    fairseq_admin_pos.average_checkpoints:cli_main) in its own process; an error exits 2."""
-    code = ("import sys; from fairseq_admin_pos.average_checkpoints import cli_main; "
+    fairseq_admin_pos.cli.average_checkpoints:cli_main) in its own process; an error exits 2."""
+    code = ("import sys; from fairseq_admin_pos.cli.average_checkpoints import cli_main; "
             "sys.argv[0] = 'fairseq-admin-average-checkpoints'; cli_main()")
     out = tmp_path / "one.pt"
     result = subprocess.run([sys.executable, "-c", code, "--inputs", str(run_dir),

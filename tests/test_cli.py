@@ -115,7 +115,9 @@ def test_train_resume_generate(tiny_data, tmp_path, arch, extra):
 
 def test_weights_only_safety_is_not_disabled(tmp_path):
     """Only fairseq's own types are allow-listed: a foreign class still refuses to load."""
-    import fairseq_admin_pos  # noqa: F401
+    import fairseq_admin_pos
+
+    fairseq_admin_pos.register()
 
     path = tmp_path / "foreign.pt"
     torch.save({"x": Foreign()}, path)

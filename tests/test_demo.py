@@ -1,4 +1,4 @@
-"""``make demo``'s pipeline (fairseq_admin_pos.demo) on a tiny Multi30k-shaped corpus."""
+"""``make demo``'s pipeline (fairseq_admin_pos.cli.demo) on a tiny Multi30k-shaped corpus."""
 import gzip
 import json
 import random
@@ -35,7 +35,7 @@ def write_fake_multi30k(folder, gz=True):
 
 
 def run_demo(args, **kw):
-    return subprocess.run([sys.executable, "-m", "fairseq_admin_pos.demo", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "fairseq_admin_pos.cli.demo", *map(str, args)],
                           cwd=REPO, env=kw.pop("env", env()), capture_output=True, text=True,
                           timeout=600, **kw)
 

@@ -305,8 +305,9 @@ def test_cli_low_precision_checkpoint_loads_in_float32(tiny_data, tmp_path, prec
     if precision == "fp16":
         assert "loss_scale=" in log
 
-    import fairseq_admin_pos  # noqa: F401  (checkpoint allow-list)
-    from fairseq import checkpoint_utils
+    from fairseq import checkpoint_utils  # fairseq's import registers the plugin (allow-list)
+
+    import fairseq_admin_pos  # noqa: F401
 
     raw = torch.load(save / "checkpoint_last.pt", map_location="cpu")["model"]
     dtype = LOW[precision]

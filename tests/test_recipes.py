@@ -30,10 +30,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
-RECIPES_PY = os.path.join(REPO, "fairseq_admin_pos", "recipes.py")
-sys.path.insert(0, REPO)
+RECIPES_PY = os.path.join(REPO, "examples", "common", "recipes.py")
+sys.path.insert(0, os.path.join(REPO, "examples", "common"))
 
-from fairseq_admin_pos import recipes  # noqa: E402  (pure python: no torch / fairseq)
+import recipes  # noqa: E402  (pure python: no torch / fairseq)
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

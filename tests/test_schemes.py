@@ -247,7 +247,7 @@ def test_analysis_tool_output_change_per_scheme(tmp_path):
     alpha/beta bound the output update whatever the depth; measured: it even shrinks);
     ReZero's output does not depend on any branch weight at init (every layer is the
     identity), so its change is exactly 0, with and without Post-LN."""
-    from fairseq_admin_pos import analyze
+    from fairseq_admin_pos.cli import analyze
 
     args = analyze.get_parser().parse_args([
         "--embed-dim", "16", "--ffn-dim", "32", "--heads", "2", "--depths", "1,2,4,8",

@@ -4,7 +4,7 @@
 #   fairseq-*      $FAIRSEQ_BIN/, else the directory of `fairseq-train` on PATH, else $ROOT/.venv/bin
 #   python         $PYTHON, else the python next to fairseq-train, else python3
 # The repository root goes first on PYTHONPATH, so the plugin works without `pip install`.
-# The pure-python helpers (fairseq_admin_pos/recipes.py) run as a script: importing the
+# The pure-python helpers (examples/common/recipes.py) run as a script: importing the
 # package would load torch and fairseq for every call.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -49,7 +49,7 @@ setup_tools() {
     PY="$(command -v python3)" || die "no python3 found; set PYTHON"
   fi
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  RECIPES=("$PY" "$ROOT/fairseq_admin_pos/recipes.py")
+  RECIPES=("$PY" "$ROOT/examples/common/recipes.py")
 }
 
 # prepare.sh also needs sacremoses (Moses tokenizer) and subword-nmt (BPE)
@@ -376,7 +376,7 @@ recipe_eval() {
   else
     checkpoint="$RUN_DIR/averaged_last${avg_last}.pt"
     say "== averaging the last $avg_last epoch checkpoints"
-    local avg=("$PY" -m fairseq_admin_pos.average_checkpoints --inputs "$RUN_DIR"
+    local avg=("$PY" -m fairseq_admin_pos.cli.average_checkpoints --inputs "$RUN_DIR"
                --num-epoch-checkpoints "$avg_last" --output "$checkpoint")
     [[ -n "${CHECKPOINT_UPPER_BOUND:-}" ]] && avg+=(--checkpoint-upper-bound "$CHECKPOINT_UPPER_BOUND")
     run "${avg[@]}"

@@ -32,7 +32,8 @@ from typing import List, Sequence
 DEFAULT_BASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 LANGS = ("en", "de")
-PKG_DIR = Path(__file__).resolve().parent
+# the --user-dir target: the package folder (this file is in its cli/ subfolder)
+PKG_DIR = Path(__file__).resolve().parents[1]
 
 
 def log(msg: str) -> None:

@@ -7,7 +7,7 @@ of the installed wheel, so this package brings its own command::
     fairseq-admin-average-checkpoints --inputs runs/wmt14_en_de/admin_6l_6l_1 \\
         --num-epoch-checkpoints 10 --output runs/wmt14_en_de/admin_6l_6l_1/averaged_last10.pt
 
-(or ``python -m fairseq_admin_pos.average_checkpoints``). Semantics:
+(or ``python -m fairseq_admin_pos.cli.average_checkpoints``). Semantics:
 
 * every floating-point tensor of ``state["model"]`` becomes
   ``sum_k(w_k.double()) / K`` cast back to the dtype it has in the newest checkpoint
@@ -40,7 +40,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from fairseq_admin_pos.checkpoint_compat import allow_fairseq_checkpoints
+from fairseq_admin_pos.fairseq_fixes.checkpoint_compat import allow_fairseq_checkpoints
 
 _EPOCH = re.compile(r"^checkpoint(\d+)\.pt$")
 _UPDATE = re.compile(r"^checkpoint_\d+_(\d+)\.pt$")
@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fairseq-admin-average-checkpoints",
         description="Average the weights of fairseq checkpoints (float64 accumulation, "
-        "atomic write). See the module docstring of fairseq_admin_pos.average_checkpoints.",
+        "atomic write). See the module docstring of fairseq_admin_pos.cli.average_checkpoints.",
     )
     parser.add_argument("--inputs", nargs="+", required=True,
                         help="checkpoint files (oldest first), or one folder with "

@@ -1,10 +1,9 @@
 """Pure-python helpers behind the recipes in ``examples/<task>/`` (prepare, train, eval).
 
-The shell scripts call this file *as a script* (``python fairseq_admin_pos/recipes.py CMD``)
-rather than with ``-m``: ``-m fairseq_admin_pos.recipes`` would first import the package,
-which registers the model with fairseq (torch + fairseq, several seconds per call). This
-module therefore imports neither torch, fairseq nor the rest of the package; the text tools
-(sacremoses, sacrebleu, regex) are imported only by the sub-commands that need them.
+It lives next to the scripts that use it (``examples/common/lib.sh`` calls it as
+``python examples/common/recipes.py CMD``) and imports neither torch, fairseq nor the
+plugin, so each call costs a fraction of a second; the text tools (sacremoses, sacrebleu,
+regex) are imported only by the sub-commands that need them.
 
 Sub-commands (``--help`` on each):
 

@@ -63,7 +63,7 @@ from fairseq.data import data_utils
 
 from fairseq_admin_pos.models import admin_profile
 
-logger = logging.getLogger("fairseq_admin_pos.analyze")
+logger = logging.getLogger("fairseq_admin_pos.cli.analyze")
 
 
 # --------------------------------------------------------------------------------------- #

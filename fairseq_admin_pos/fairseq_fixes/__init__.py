@@ -1,0 +1,6 @@
+"""Narrow fixes to the fairseq we run on (installed by :func:`fairseq_admin_pos.register`).
+
+* :mod:`.checkpoint_compat`: torch >= 2.6 loads fairseq checkpoints with ``weights_only=True``;
+* :mod:`.cli_help`: ``fairseq-train --help`` lists the model's flags;
+* :mod:`.batching_fix`: batching no longer drops the last sentences of a split.
+"""
