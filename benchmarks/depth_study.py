@@ -76,7 +76,8 @@ SCHEMES = {
     ],
     "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
     # the d=64 study's profiled Admin: eval-mode statistics, padding excluded, Adam
-    "admin-profile": ["--admin-init", "profile", "--admin-omega", "parameter"],
+    "admin-profile": ["--admin-init", "profile", "--admin-profile-mode", "eval",
+                      "--admin-omega", "parameter"],
     # the paper's Admin as Transformer-Clinic runs it: training-mode profiling (dropout on,
     # padding counted), a trainable omega vector, RAdam
     "admin-paper": ["--admin-init", "profile", "--admin-profile-mode", "clinic",
@@ -93,9 +94,10 @@ POSITIONS = {
         "--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal",
         "--pos-emb-scaled-table", "fairseq", "--pos-emb-scale-init", "1",
     ],
-    # the seed module as it is: interleaved table, scale starting at 1/sqrt(d)
+    # the seed module as it is: the seed's own table, scale starting at 1/sqrt(d)
     "scaled-sinusoidal-seed": [
         "--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal",
+        "--pos-emb-scaled-table", "seed",
     ],
     "learned": ["--encoder-pos-emb", "learned", "--decoder-pos-emb", "learned"],
 }
