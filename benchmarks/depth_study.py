@@ -68,22 +68,20 @@ SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 LANGS = ("en", "de")
 SRC, TGT = "en", "de"
 
+sys.path.insert(0, str(REPO))
+# the schemes of `make demo --scheme` (one definition for both); importing the demo module
+# imports neither torch nor fairseq
+from fairseq_admin_pos.cli.demo import SCHEMES as DEMO_SCHEMES  # noqa: E402
+
 SCHEMES = {
-    "post-ln": ["--admin-init", "none"],
-    "pre-ln": [
-        "--admin-init", "none",
-        "--encoder-normalize-before", "--decoder-normalize-before",
-    ],
-    "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
+    **{k: v for k, v in DEMO_SCHEMES.items() if k != "admin-paper"},
     # the d=64 study's profiled Admin: eval-mode statistics, padding excluded, Adam
     "admin-profile": ["--admin-init", "profile", "--admin-profile-mode", "eval",
                       "--admin-omega", "parameter"],
-    # the paper's Admin as Transformer-Clinic runs it: training-mode profiling (dropout on,
-    # padding counted), a trainable omega vector, RAdam
-    "admin-paper": ["--admin-init", "profile", "--admin-profile-mode", "clinic",
-                    "--admin-omega", "parameter", "--optimizer", "radam"],
-    "deepnorm": ["--admin-residual", "deepnorm"],
+    "admin-paper": DEMO_SCHEMES["admin-paper"],
 }
+SCHEMES = {k: SCHEMES[k] for k in ("post-ln", "pre-ln", "admin", "admin-profile",
+                                    "admin-paper", "deepnorm")}
 
 # position variants (both sides); "sinusoidal" is the default and leaves run keys unchanged
 POSITIONS = {

@@ -34,3 +34,89 @@ def test_building_block_imports_only_torch_and_stdlib(name):
 def test_the_check_sees_a_fairseq_import():
     glue = PKG / "models" / "layers.py"
     assert any(m.startswith("fairseq.") for m in imported_modules(glue))
+
+
+# --------------------------------------------------------------------------------------- #
+# the same promise at run time: importing the blocks imports no fairseq, and they work where
+# fairseq is not installed; the package still registers everything with fairseq
+# --------------------------------------------------------------------------------------- #
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+REPO = PKG.parent
+
+# exercises each block with numbers checked against a hand computation
+USE_BLOCKS = r"""
+import math, sys, torch
+import fairseq_admin_pos.admin as admin_torch
+from fairseq_admin_pos.positional import SinusoidalEmbeddings
+from fairseq_admin_pos.profiling import omegas_from_variances
+from fairseq_admin_pos.schemes import deepnorm_constants, ReZeroResidual
+
+omega = admin_torch.calculate_init(36)  # sqrt((N+1)/ln(N+1) - 1)
+assert abs(omega - math.sqrt(37 / math.log(37) - 1)) < 1e-12, omega
+res = admin_torch.as_module(36)
+x, f = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+assert torch.allclose(res(x, f), x * omega + f)
+table = SinusoidalEmbeddings(16, 8)(torch.tensor([3]))
+assert abs(table[0, 0].item() - math.sin(3.0)) < 1e-6
+assert omegas_from_variances([1.0, 1.0], [3.0, 5.0]) == [1.0, 2.0]
+assert abs(deepnorm_constants(6, 6).encoder_alpha - 0.81 * (6 ** 4 * 6) ** (1 / 16)) < 1e-12
+assert torch.equal(ReZeroResidual()(x, f), x)
+print("fairseq imported:", "fairseq" in sys.modules)
+"""
+
+# makes `import fairseq` fail as it does where fairseq is not installed
+BLOCK_FAIRSEQ = r"""
+import importlib.abc, sys
+class NoFairseq(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fairseq", "fairseq_cli"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoFairseq())
+"""
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_blocks_work_where_fairseq_is_not_installed():
+    out = run_python(BLOCK_FAIRSEQ + USE_BLOCKS).stdout
+    assert "fairseq imported: False" in out
+
+
+def test_blocks_do_not_import_the_installed_fairseq():
+    out = run_python(USE_BLOCKS).stdout
+    assert "fairseq imported: False" in out
+
+
+def test_without_fairseq_registration_names_the_missing_package():
+    code = BLOCK_FAIRSEQ + (
+        "import fairseq_admin_pos\n"
+        "try:\n    fairseq_admin_pos.register()\n"
+        "except ModuleNotFoundError as e:\n    print('missing', e.name)\n"
+    )
+    assert "missing fairseq" in run_python(code).stdout
+
+
+REGISTERED = (
+    "from fairseq.models import ARCH_MODEL_REGISTRY\n"
+    "from fairseq.optim import OPTIMIZER_REGISTRY\n"
+    "from fairseq import options\n"
+    "print(sorted(a for a in ARCH_MODEL_REGISTRY if a.startswith('admin_transformer'))[:2],\n"
+    "      'radam' in OPTIMIZER_REGISTRY, getattr(options.parse_args_and_arch,"
+    " '__admin_full_help__', False))\n"
+)
+
+
+@pytest.mark.parametrize("order", ["plugin first", "fairseq first"])
+def test_import_registers_with_fairseq_in_either_order(order):
+    first, second = "import fairseq_admin_pos\n", "import fairseq\n"
+    if order == "fairseq first":
+        first, second = second, first
+    out = run_python(first + second + REGISTERED).stdout
+    assert "['admin_transformer', 'admin_transformer_iwslt_de_en'] True True" in out

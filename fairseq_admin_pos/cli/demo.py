@@ -8,11 +8,16 @@ Steps (each prints the command it runs and is skipped when its output is complet
 2. a joint sentencepiece unigram vocabulary trained on the training side only;
 3. ``fairseq-preprocess --joined-dictionary``;
 4. ``fairseq-train --user-dir fairseq_admin_pos --arch admin_transformer`` with a deep encoder
-   (default 12L encoder, 3L decoder, width 128) and Admin closed-form omegas;
+   (default 12L encoder, 3L decoder, width 128) and the residual scheme of ``--scheme``
+   (default ``admin``: Admin closed-form omegas, a trainable vector);
 5. ``fairseq-generate`` on test2016 with beam 4, then sacreBLEU against the raw references.
 
-Everything goes under ``--out``; ``results.json`` there holds the BLEU, its signature and
-timings. With the defaults it took 13.6 minutes on an idle 2-core CPU (BLEU 28.50; README).
+Data goes under ``--out`` (``raw/``, ``spm/``, ``data-bin/``, shared by every scheme); each
+scheme's run goes under ``--out/<scheme>/`` (checkpoints, logs, ``results.json`` with the
+BLEU, its signature and timings), so ``--scheme post-ln`` trains the baseline next to the
+default with the same data and recipe, and the last lines compare every scheme run so far.
+With the defaults it took 13.6 minutes on an idle 2-core AMD EPYC and 19.6 minutes on a
+2-core Intel Xeon (2.8 GHz) (BLEU 28.50 / 29.23; README).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +40,23 @@ SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 LANGS = ("en", "de")
 # the --user-dir target: the package folder (this file is in its cli/ subfolder)
 PKG_DIR = Path(__file__).resolve().parents[1]
+
+#: residual schemes of the demo and of benchmarks/depth_study.py: the admin_transformer flags
+#: that make each one (everything else is the shared recipe)
+SCHEMES = {
+    # stock fairseq Post-LN: omega = 1
+    "post-ln": ["--admin-init", "none"],
+    "pre-ln": ["--admin-init", "none", "--encoder-normalize-before",
+               "--decoder-normalize-before"],
+    # admin-torch's O(logn) closed form, omega a trainable vector (admin-torch's best setting)
+    "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
+    # the paper's Admin as Transformer-Clinic runs it: profiled on the first batch in training
+    # mode (dropout on, padding counted), a trainable omega vector, RAdam
+    "admin-paper": ["--admin-init", "profile", "--admin-profile-mode", "clinic",
+                    "--admin-omega", "parameter", "--optimizer", "radam"],
+    # DeepNet (Wang et al. 2022): LN(alpha x + f(x)) with beta-scaled initialisation
+    "deepnorm": ["--admin-residual", "deepnorm"],
+}
 
 
 def log(msg: str) -> None:
@@ -158,16 +181,18 @@ def preprocess(spm_dir: Path, out: Path) -> Path:
 
 
 def train_command(args, data_bin: Path, save_dir: Path) -> List[str]:
+    scheme = SCHEMES[args.scheme]
+    # a scheme may bring its own optimizer (admin-paper: RAdam, as Transformer-Clinic)
+    optimizer = [] if "--optimizer" in scheme else ["--optimizer", "adam"]
     return [
         bin_path("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
         "--arch", "admin_transformer", "--cpu", "--seed", str(args.seed),
         "--encoder-layers", str(args.encoder_layers), "--decoder-layers", str(args.decoder_layers),
         "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
         "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
-        "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-        "--admin-init", args.admin_init, "--admin-omega", "parameter",
+        "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", *scheme,
         "--share-all-embeddings", "--dropout", "0.1",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+        *optimizer, "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
         "--lr", str(args.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(args.warmup),
         "--warmup-init-lr", "1e-07",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -177,6 +202,31 @@ def train_command(args, data_bin: Path, save_dir: Path) -> List[str]:
         "--log-format", "simple", "--log-interval", "20", "--no-progress-bar",
         "--num-workers", "0",
     ]
+
+
+def compare(out: Path) -> None:
+    """One line per scheme run under ``out`` so far (``results.json``)."""
+    rows = []
+    for path in sorted(out.glob("*/results.json")):
+        r = json.loads(path.read_text())
+        rows.append(f"  {r.get('scheme', path.parent.name):<12} {r['arch']:<28} "
+                    f"valid nll {r.get('valid_nll_bits', float('nan')):6.3f} bits   "
+                    f"sacreBLEU {r['bleu']:6.2f}   train {r['train_seconds']:.0f}s")
+    if len(rows) > 1:
+        print("\nEvery scheme run in " + str(out) + ":\n" + "\n".join(rows))
+
+
+def last_valid_nll(log_file: Path) -> float:
+    """The last ``valid_nll_loss`` / ``nll_loss`` of a validation line in fairseq's log."""
+    value = float("nan")
+    for line in log_file.read_text(encoding="utf-8").splitlines():
+        if "| valid |" in line:
+            for key in ("valid_nll_loss", "nll_loss"):
+                m = re.search(rf"\b{key}[ =]([0-9.]+)", line)
+                if m:
+                    value = float(m.group(1))
+                    break
+    return value
 
 
 def generate_and_score(args, data_bin: Path, raw: Path, ckpt: Path, out: Path) -> dict:
@@ -225,8 +275,10 @@ def main(argv=None) -> None:
     p.add_argument("--encoder-layers", type=int, default=12, help="encoder depth (default 12)")
     p.add_argument("--decoder-layers", type=int, default=3, help="decoder depth (default 3)")
     p.add_argument("--dim", type=int, default=128, help="model width; FFN is 4x (default 128)")
-    p.add_argument("--admin-init", default="closed-form", choices=("closed-form", "none"),
-                   help="omega initialisation (none = the Post-LN baseline)")
+    p.add_argument("--scheme", default="admin", choices=tuple(SCHEMES),
+                   help="residual scheme: admin (default; closed-form omegas, trainable), "
+                   "post-ln (stock fairseq: the baseline that fails when deep), pre-ln, "
+                   "admin-paper (profiled omegas, RAdam), deepnorm; each run goes to --out/SCHEME")
     p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece size (default 8000)")
     p.add_argument("--max-update", type=int, default=700,
                    help="training updates (default 700, about 5 epochs of Multi30k)")
@@ -256,20 +308,24 @@ def main(argv=None) -> None:
     spm_dir = sentencepiece(raw, out, args.vocab)
     data_bin = preprocess(spm_dir, out)
 
-    save_dir = out / "checkpoints"
+    run_dir = out / args.scheme
+    run_dir.mkdir(exist_ok=True)
+    save_dir = run_dir / "checkpoints"
     t_train = time.time()
-    run(train_command(args, data_bin, save_dir), log_file=out / "train.log")
+    run(train_command(args, data_bin, save_dir), log_file=run_dir / "train.log")
     train_seconds = time.time() - t_train
-    result = generate_and_score(args, data_bin, raw, save_dir / "checkpoint_last.pt", out)
+    result = generate_and_score(args, data_bin, raw, save_dir / "checkpoint_last.pt", run_dir)
     result.update({
+        "scheme": args.scheme, "scheme_flags": " ".join(SCHEMES[args.scheme]),
         "arch": f"admin_transformer {args.encoder_layers}L-{args.decoder_layers}L d={args.dim}",
-        "admin_init": args.admin_init, "max_update": args.max_update,
+        "max_update": args.max_update, "valid_nll_bits": last_valid_nll(run_dir / "train.log"),
         "train_seconds": round(train_seconds, 1), "total_seconds": round(time.time() - t_start, 1),
     })
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"sacreBLEU on test2016: {result['sacrebleu']}")
+    (run_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"sacreBLEU on test2016 ({args.scheme}): {result['sacrebleu']}")
     print(f"signature: {result['signature']}")
-    log(f"done in {result['total_seconds']:.0f}s; results in {out / 'results.json'}")
+    log(f"done in {result['total_seconds']:.0f}s; results in {run_dir / 'results.json'}")
+    compare(out)
 
 
 if __name__ == "__main__":
