@@ -10,7 +10,7 @@ install:
 	@bash scripts/bootstrap.sh
 
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup tests
 
 demo: install
 	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT)

@@ -22,6 +22,9 @@ setup(
         # fairseq itself (ve-fairseq / fairseq-fixed) and torch: see scripts/bootstrap.sh
         "numpy",
         "sacrebleu>=2.0",
+        # fairseq-train --tensorboard-logdir: fairseq falls back to tensorboardX when the
+        # full `tensorboard` package is absent (README, "Watching training")
+        "tensorboardX==2.6.5",
     ],
     extras_require={
         "test": TEST_REQUIRES,

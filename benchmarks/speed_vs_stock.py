@@ -18,7 +18,16 @@ first, so load changes on a shared machine hit both alike. Memory: one subproces
 Prints the per-round figures and the median ratios admin / stock (targets: speeds >= 0.97,
 memory <= 1.02).
 
+``--dtype`` picks the training and generation precision, the same for both models:
+``float32`` (default), ``bfloat16`` (fairseq's ``--bf16``: the Trainer casts the model and
+the batches to bfloat16 and keeps float32 master weights; on a CPU the ``--bf16 -> --tpu``
+coupling of fairseq's command line is undone, as in ``tests/test_precision.py``, so this
+is the model cast and optimizer a GPU run uses), or ``float16`` (``--fp16``, CUDA only).
+Admin's fixed omegas stay float32 in the low-precision model (one rounding per residual).
+
     python benchmarks/speed_vs_stock.py --multi30k ../shared/data/multi30k --work bench_out
+    python benchmarks/speed_vs_stock.py --multi30k ../shared/data/multi30k --work bench_out \
+        --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -45,6 +54,9 @@ def model_flags(args):
     ]
 
 
+# fairseq flags of each --dtype
+DTYPE_FLAGS = {"float32": [], "bfloat16": ["--bf16"], "float16": ["--fp16"]}
+
 VARIANTS = {
     "stock": ["--arch", "transformer"],
     "admin": ["--arch", "admin_transformer", "--admin-init", "closed-form", "--admin-omega", "parameter"],
@@ -68,9 +80,14 @@ def build_trainer(args, variant):
             "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
             "--max-tokens", str(args.max_tokens), "--seed", "1", "--num-workers", "0"]
+    argv += DTYPE_FLAGS[args.dtype]
     if not args.cuda:
         argv.append("--cpu")
-    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(parser, argv))
+    ns = options.parse_args_and_arch(parser, argv)
+    # fairseq's command line turns --bf16 into --tpu (torch_xla); keep its bf16 model cast,
+    # batch cast and FP16Optimizer on this device instead
+    ns.tpu = False
+    cfg = convert_namespace_to_omegaconf(ns)
     utils.set_torch_seed(1)
     task = tasks.setup_task(cfg.task)
     task.load_dataset("train")
@@ -193,9 +210,16 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=256, help="width; FFN 4x (default 256)")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--dtype", choices=sorted(DTYPE_FLAGS), default="float32",
+                   help="training and generation precision of both models: float32, "
+                   "bfloat16 (fairseq's --bf16 model cast) or float16 (--fp16, CUDA only). "
+                   "Default: float32")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even if CUDA is there")
     p.add_argument("--worker", choices=sorted(VARIANTS) + ["speed"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.dtype == "float16" and (args.cpu or not _cuda()):
+        p.error("--dtype float16 needs CUDA (fairseq's --fp16 keeps its float32 master copy on "
+                "the GPU); on the CPU use --dtype bfloat16")
     if args.worker:
         args.cuda = _cuda() and not args.cpu
         return speed_worker(args) if args.worker == "speed" else memory_worker(args)
@@ -203,7 +227,7 @@ def main(argv=None):
     data = prepare(args)
     passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in (
         "warmup", "updates", "gen-batches", "encoder-layers", "decoder-layers", "dim",
-        "max-tokens", "threads")] + (["--cpu"] if args.cpu else [])
+        "max-tokens", "threads", "dtype")] + (["--cpu"] if args.cpu else [])
 
     def child(mode):
         cmd = [sys.executable, __file__, "--worker", mode, "--data", str(data), *passthrough]
@@ -233,7 +257,8 @@ def main(argv=None):
     mem_ratio = statistics.median(a / s for a, s in zip(mem["admin"], mem["stock"]))
     where = "cuda" if (not args.cpu and _cuda()) else "cpu"
     print(f"\nadmin/stock, median of {args.rounds} rounds ({args.encoder_layers}L-"
-          f"{args.decoder_layers}L d={args.dim}, max-tokens {args.max_tokens}, {where}):")
+          f"{args.decoder_layers}L d={args.dim}, max-tokens {args.max_tokens}, {args.dtype}, "
+          f"{where}):")
     print(f"  training words/s ratio       {ratio('train_wps'):.3f}   (target >= 0.97)")
     print(f"  generation sentences/s ratio {ratio('gen_sent_s'):.3f}   (target >= 0.97)")
     print(f"  peak memory ratio            {mem_ratio:.3f}   (target <= 1.02)")

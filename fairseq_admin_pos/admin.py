@@ -196,7 +196,13 @@ class OmegaResidual(torch.nn.Module):
         """Rescaled residual ``x * omega + f_x``; omega is cast to ``x.dtype``."""
         omega = self.omega
         if x.is_floating_point() and omega.dtype != x.dtype:
-            omega = omega.to(x.dtype)
+            if omega.numel() == 1:
+                # a 0-dim tensor does not promote a tensor of its own category (a float32
+                # omega leaves a half x half): the kernel converts it to x's dtype on the
+                # fly, with no separate cast kernel and the same rounding as .to(x.dtype)
+                omega = omega.reshape(())
+            else:
+                omega = omega.to(x.dtype)
         # one fused kernel (f_x + x * omega) instead of a multiply, a temporary and an add;
         # with omega == 1 it is still bitwise x + f_x (x * 1 is exact, one rounding)
         return torch.addcmul(f_x, x, omega)

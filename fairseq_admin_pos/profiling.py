@@ -1,30 +1,29 @@
 r"""Admin's profiling initialisation: statistics, ratio recurrence, profile files (pure torch).
 
-This module never imports fairseq; the fairseq glue (when to profile, which batches) lives
-in :mod:`fairseq_admin_pos.models.admin_transformer`.
+This module never imports fairseq; the fairseq glue (when to profile, which batches, the
+optimizer's master copy) lives in :mod:`fairseq_admin_pos.models.admin_profile`.
 
 What is measured
 ----------------
 Admin (Liu et al. 2020, "Understanding the Difficulty of Training Transformers", EMNLP,
-Sec. 4 and Algorithm 1; reference code Transformer-Clinic ``--init-type adaptive-profiling``)
-rescales the shortcut of every Post-LN sub-layer, ``x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))``,
-and sets ``omega_i`` from the output variances seen in one forward pass at initialisation.
+Sec. 4 and Algorithm 1; reference code Transformer-Clinic ``--init-type adaptive-profiling``,
+``fairseq/modules/transformer_layer.py``) rescales the shortcut of every Post-LN sub-layer,
+``x_i = LN(x_{i-1} * omega_i + f_i(x_{i-1}))``, and sets ``omega_i`` from the output
+variances seen in one forward pass at initialisation.
 
 Every residual sub-layer of a stack (encoder: self-attention, FFN per layer; decoder:
 self-attention, encoder-attention, FFN per layer) hands its residual module the pair
 ``(x, f_x)``: the sub-layer input ``x_{i-1}`` (the shortcut: the embedding output for the
-first sub-layer, the previous sub-layer's LayerNorm output afterwards) and the branch output
-``f_i(x_{i-1})``. A forward pre-hook on each residual module accumulates, per sub-layer and
-over all *counted* elements (see padding below) of ``x`` and of ``f_x``,
+first sub-layer, the previous sub-layer's LayerNorm output afterwards) and the dropped-out
+branch output ``f_i(x_{i-1})``. A forward pre-hook on each residual module takes, over the
+*counted* elements of ``x`` and of ``f_x`` (see padding below),
 
     n = number of elements,  s = sum of values,  q = sum of squared values
 
 (values converted to float64 whatever the model's dtype - exact for fp16/bf16/fp32 - and
-summed in float64, so the statistics never run in half precision). These
-sufficient statistics add exactly over batches and over data-parallel ranks (one
-``all_reduce(SUM)``), so K batches on W ranks give the same result as one process seeing all
-K*W batches. The population variance (``numpy.var``, ddof=0) of the flattened values is
-``Var = q/n - (s/n)**2``.
+summed in float64). The population variance (``numpy.var``, ddof=0) of the flattened values
+is ``Var = q/n - (s/n)**2``; these sufficient statistics add exactly over batches and over
+data-parallel ranks (``all_reduce(SUM)``).
 
 The recurrence (per stack, encoder and decoder separately, sub-layers in execution order)::
 
@@ -32,36 +31,59 @@ The recurrence (per stack, encoder and decoder separately, sub-layers in executi
     omega_i   = ratio_i
     ratio_i+1 = sqrt( omega_i**2 * Var[x_{i-1}] + Var[f_i(x_{i-1})] )
 
-i.e. ``omega_i**2`` is the running sum of the variance of the (rescaled) embedding output and
-of the output variances of every earlier branch of that stack, each new term entering through
-the variance of the shortcut actually seen (``Var[x*omega] = omega**2 Var[x]`` for a scalar
-omega, which is exactly Clinic's ``np.var(residual * omega)``). Because the sub-layer inputs
-after the first are LayerNorm outputs (variance 1 at initialisation),
+``omega_i**2 Var[x]`` is Clinic's ``np.var(residual * omega)`` (scalar omega). Because the
+sub-layer inputs after the first are LayerNorm outputs (variance 1 at initialisation),
 ``omega_i**2 ~= Var[embedding output] + sum_{j<i} Var[f_j]`` - the paper's
 ``omega_i = sqrt(sum_{j<i} Var[f_j(x_{j-1})])`` with the embedding counted as the 0-th branch.
 One value per sub-layer: 2 per encoder layer, 3 per decoder layer (2 without encoder
 attention); the first omega of each stack is always 1.
 
-Differences from Transformer-Clinic (all deliberate):
+Two modes (``--admin-profile-mode``)
+------------------------------------
+``clinic`` (the default) is Transformer-Clinic's profiling, statistic for statistic:
 
-* the profiling pass runs with every omega = 1 (the paper's Algorithm 1), in eval mode (no
-  dropout) and without gradients, so the statistics of all sub-layers come from one pass and
-  add exactly over batches and ranks; Clinic writes each omega into the model as the pass
-  reaches it (later sub-layers see the earlier omegas) and profiles in training mode with
-  dropout active (which inflates ``Var[f]`` by about ``1/(1-p)``);
+* the pass is a *training-mode* forward: dropout is on, so ``f`` is the dropped-out branch
+  output and ``Var[f]`` carries the dropout factor ``~1/(1-p)``;
+* the variance is over the whole flattened tensor, padding included (Clinic's ``np.var``);
+* each omega is written into the model as the pass reaches it, so later sub-layers (and the
+  decoder, through the encoder output) see the earlier omegas; the recurrence above is
+  evaluated inside the pass (:class:`InPassProfiler`);
+* one batch: with data parallelism the moments of each sub-layer are summed over the ranks
+  inside its hook (same sub-layer order on every rank), so every rank writes the same omega
+  at the same point of the pass. Several batches per rank would need several passes that
+  each change the omegas, so ``K > 1`` batches is refused in this mode.
+
+It is the default because ``--admin-init profile`` is documented as the paper's Admin, and
+Clinic's code is what the paper's numbers were produced with: a Clinic ``profile.ratio.init``
+and a profile measured here in this mode are the same statistic.
+
+``eval`` is a deterministic, batching-independent variant:
+
+* the pass runs with every omega = 1 (the paper's Algorithm 1), in eval mode (no dropout)
+  and without gradients, so all sub-layers' statistics come from one pass that does not
+  depend on random dropout masks, and the statistics of K batches and W ranks add exactly
+  (K*W batches in one process give the same omegas);
 * padding positions are excluded by default (a mask of real tokens), because the amount of
   padding depends on how the data is batched (max tokens, length buckets, number of GPUs),
-  not on the data, and padded positions never reach the loss; ``include_padding=True``
-  reproduces Clinic's ``np.var`` over the whole tensor;
-* statistics are float64 even when the model runs in fp16/bf16 (the forward itself runs in
-  the model's precision).
+  not on the data, and padded positions never reach the loss;
+  ``include_padding=True`` counts them as Clinic does.
+
+Its omegas are smaller than Clinic's, roughly by the dropout factor (no dropout) and by the
+share of padding; a Clinic ``profile.ratio.init`` is therefore accepted only in clinic mode.
+
+In both modes the statistics are float64 even when the model runs in fp16/bf16 (the
+forward itself runs in the model's precision); Clinic's numpy sums float32 values in
+float32, a relative difference of order 1e-7.
 
 Profile files
 -------------
-:func:`save_profile` writes JSON (format ``fairseq_admin_pos.admin_profile``, version 1) with
-the omegas, the measured variances and the settings they came from; :func:`load_profile`
-reads that and also Transformer-Clinic's ``profile.ratio.init`` (lines ``index value``:
-encoder ``1..2N`` then decoder ``1..3M``, the index restarting at 1 for the decoder).
+:func:`save_profile` writes JSON (format ``fairseq_admin_pos.admin_profile``, version 2)
+with the omegas, the measured variances and the settings they came from, the mode among
+them; :func:`load_profile` reads that (version 1 files, written before the modes existed,
+were measured in eval mode and are read as such) and Transformer-Clinic's
+``profile.ratio.init`` (lines ``index value``: encoder ``1..2N`` then decoder ``1..3M``, the
+index restarting at 1 for the decoder). :func:`compare_settings` turns a file measured with
+other settings into an error that lists every difference.
 """
 from __future__ import annotations
 
@@ -78,7 +100,9 @@ import torch.nn as nn
 __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
+    "PROFILE_MODES",
     "ResidualProfiler",
+    "InPassProfiler",
     "variances_from_moments",
     "omegas_from_variances",
     "omegas_from_moments",
@@ -90,15 +114,21 @@ __all__ = [
     "get_omegas",
     "omegas_set_to",
     "eval_mode",
+    "train_mode",
     "save_profile",
     "load_profile",
     "parse_clinic_profile",
     "check_profile_counts",
+    "compare_settings",
     "ProfileFileError",
 ]
 
 PROFILE_FORMAT = "fairseq_admin_pos.admin_profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+#: the versions :func:`load_profile` reads (1: before the modes; measured in eval mode)
+READABLE_VERSIONS = (1, 2)
+#: ``--admin-profile-mode`` choices, the default first (see the module docstring)
+PROFILE_MODES = ("clinic", "eval")
 
 # index of the moments tensor, shape (N, 2, 3): [sub-layer, {shortcut, branch}, {n, s, q}]
 SHORTCUT, BRANCH = 0, 1
@@ -203,6 +233,94 @@ class ResidualProfiler:
         return out
 
 
+class InPassProfiler:
+    r"""Transformer-Clinic's in-pass profiling: each omega is set as the pass reaches it.
+
+    Parameters
+    ----------
+    stacks: ``{stack name: [residual module, ...]}`` in execution order, as for
+        :class:`ResidualProfiler`; each module has an ``omega`` (buffer or parameter).
+    group: a ``torch.distributed`` process group (or None for the default one); when
+        distributed is initialised with more than one rank, the moments of each sub-layer
+        are summed over the ranks inside its hook (one ``all_reduce`` of 6 numbers per
+        sub-layer), so every rank computes and writes the same omega.
+
+    The pre-hook of sub-layer ``i`` of a stack, called with ``(x, f_x)`` of shape ``(*, C)``:
+    takes the moments of *every* element of ``x`` and ``f_x`` (padding included, as
+    Clinic's ``np.var`` over the flattened tensor), writes ``omega_i = ratio_i`` into the
+    module (the module's forward then computes ``x * omega_i + f_x`` with it), and advances
+    ``ratio_{i+1} = sqrt(omega_i**2 Var[x] + Var[f_x])``. After one pass :attr:`omegas` holds
+    ``{stack: [omega_1, ...]}`` and :attr:`moments` the ``(N, 2, 3)`` float64 moments (of
+    ``x``, not ``x * omega``), from which :func:`omegas_from_moments` gives the same omegas.
+    A sub-layer reached twice (a second pass) raises: one pass, one set of omegas.
+    """
+
+    def __init__(self, stacks: Mapping[str, Sequence[nn.Module]], group=None):
+        self.stacks = {name: list(mods) for name, mods in stacks.items()}
+        for name, mods in self.stacks.items():
+            if not mods:
+                raise ValueError(f"stack {name!r} has no residual modules to profile")
+        self.group = group
+        self.omegas: Dict[str, List[float]] = {n: [] for n in self.stacks}
+        self.moments: Dict[str, Optional[torch.Tensor]] = {n: None for n in self.stacks}
+        self._ratio = {n: 1.0 for n in self.stacks}
+        self._handles: List = []
+
+    def _hook(self, stack: str, index: int):
+        def hook(module, args, kwargs):
+            x = args[0] if len(args) > 0 else kwargs["x"]
+            f_x = args[1] if len(args) > 1 else kwargs["f_x"]
+            if index != len(self.omegas[stack]):
+                raise RuntimeError(
+                    f"admin profiling (clinic mode): {stack} sub-layer {index + 1} reached "
+                    f"after {len(self.omegas[stack])} sub-layers; the in-pass profile needs "
+                    "exactly one forward pass through the sub-layers in order"
+                )
+            m = torch.stack([_moments(x), _moments(f_x)])
+            if _dist_ready(self.group):
+                flat = m.reshape(-1).to(_collective_device(self.group))
+                torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM,
+                                             group=self.group)
+                m = flat.view_as(m).to(m.device)
+            vx, vf = variances_from_moments(m.unsqueeze(0))
+            omega = self._ratio[stack]
+            with torch.no_grad():
+                module.omega.fill_(omega)
+            self._ratio[stack] = next_ratio(omega, vx[0], vf[0])
+            self.omegas[stack].append(omega)
+            acc = self.moments[stack]
+            if acc is None:
+                acc = torch.zeros(len(self.stacks[stack]), 2, 3, dtype=torch.float64, device=m.device)
+                self.moments[stack] = acc
+            acc[index] = m
+            return None
+
+        return hook
+
+    def __enter__(self) -> "InPassProfiler":
+        for name, mods in self.stacks.items():
+            for i, mod in enumerate(mods):
+                self._handles.append(
+                    mod.register_forward_pre_hook(self._hook(name, i), with_kwargs=True)
+                )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def result(self) -> Tuple[Dict[str, List[float]], Dict[str, torch.Tensor]]:
+        """``(omegas, moments)`` per stack; a stack not run through completely raises."""
+        for name, mods in self.stacks.items():
+            if len(self.omegas[name]) != len(mods):
+                raise RuntimeError(
+                    f"admin profiling (clinic mode): the pass reached {len(self.omegas[name])} "
+                    f"of the {len(mods)} {name} sub-layers"
+                )
+        return {n: list(v) for n, v in self.omegas.items()}, dict(self.moments)
+
+
 def variances_from_moments(moments: torch.Tensor) -> Tuple[List[float], List[float]]:
     """Population variances ``(Var[x_{i-1}], Var[f_i])`` per sub-layer from ``(N, 2, 3)`` moments."""
     m = moments.detach().to("cpu", torch.float64)
@@ -219,6 +337,12 @@ def variances_from_moments(moments: torch.Tensor) -> Tuple[List[float], List[flo
     return var[:, SHORTCUT].tolist(), var[:, BRANCH].tolist()
 
 
+def next_ratio(omega: float, shortcut_var: float, branch_var: float) -> float:
+    """One step of the recurrence: ``sqrt(omega**2 Var[x] + Var[f])`` (Clinic's
+    ``sqrt(np.var(residual * omega) + np.var(f))`` for a scalar omega)."""
+    return math.sqrt(omega * omega * float(shortcut_var) + float(branch_var))
+
+
 def omegas_from_variances(shortcut_vars: Sequence[float], branch_vars: Sequence[float]) -> List[float]:
     """Admin's ratio recurrence (see the module docstring): ``ratio_1 = 1``,
     ``omega_i = ratio_i``, ``ratio_{i+1} = sqrt(omega_i**2 Var[x_{i-1}] + Var[f_i])``."""
@@ -228,7 +352,7 @@ def omegas_from_variances(shortcut_vars: Sequence[float], branch_vars: Sequence[
     for vx, vf in zip(shortcut_vars, branch_vars):
         omega = ratio
         omegas.append(omega)
-        ratio = math.sqrt(omega * omega * float(vx) + float(vf))
+        ratio = next_ratio(omega, vx, vf)
     return omegas
 
 
@@ -337,24 +461,70 @@ def eval_mode(module: nn.Module) -> Iterator[None]:
             m.training = t
 
 
+@contextmanager
+def train_mode(module: nn.Module) -> Iterator[None]:
+    """``module.train()`` inside (dropout on), every submodule's flag restored after."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.train()
+    try:
+        yield
+    finally:
+        for m, t in flags:
+            m.training = t
+
+
 def measure_omegas(
     root: nn.Module,
     stacks: Mapping[str, Sequence[nn.Module]],
     batches: Iterable[Tuple[Mapping[str, Optional[torch.Tensor]], Callable[[], object]]],
-    include_padding: bool = False,
+    include_padding: Optional[bool] = None,
     group=None,
+    mode: str = "eval",
 ) -> Tuple[Dict[str, List[float]], Dict[str, torch.Tensor]]:
     """Run the profiling pass and return ``(omegas per stack, moments per stack)``.
 
     ``batches`` yields ``(masks, run)``: ``masks`` as in :class:`ResidualProfiler`, ``run()``
-    performs one forward of ``root`` on that batch. The pass runs in eval mode (no dropout),
-    without gradients and with every omega temporarily 1; the model's omegas are *not*
-    changed (use :func:`set_omegas`). Moments are summed over the batches and, when
-    ``torch.distributed`` is initialised, over the ranks of ``group`` (so every rank returns
-    the same omegas).
+    performs one forward of ``root`` on that batch; it is consumed lazily (one batch alive at
+    a time). Either way the pass runs without gradients, starts from every omega = 1, and
+    leaves the model's omegas as they were (use :func:`set_omegas` to apply the result).
+
+    ``mode="eval"``: eval mode (no dropout), omegas fixed at 1 during the pass, padding
+    excluded unless ``include_padding`` (default False; ``masks`` select the counted
+    positions); moments
+    summed over the batches and, when ``torch.distributed`` is initialised, over the ranks
+    of ``group`` (so every rank returns the same omegas).
+
+    ``mode="clinic"``: Transformer-Clinic's pass, :class:`InPassProfiler` in training mode
+    (dropout on, from the current RNG state), padding included (``masks`` are not used;
+    ``include_padding=False`` is an error), exactly one batch; the ranks' moments are
+    summed inside each sub-layer's hook.
     """
+    if mode not in PROFILE_MODES:
+        raise ValueError(f"admin profiling: mode {mode!r}; valid modes: {', '.join(PROFILE_MODES)}")
+    if mode == "clinic" and include_padding is False:
+        raise ValueError(
+            "admin profiling: the clinic mode counts padding (Clinic's np.var over the whole "
+            "tensor); excluding it is the eval mode's option"
+        )
     all_modules = [m for mods in stacks.values() for m in mods]
-    profiler = ResidualProfiler(stacks, include_padding=include_padding)
+    if mode == "clinic":
+        profiler = InPassProfiler(stacks, group=group)
+        with train_mode(root), torch.no_grad(), omegas_set_to(all_modules, 1.0), profiler:
+            count = 0
+            for _masks, run in batches:
+                if count == 1:
+                    raise ValueError(
+                        "admin profiling (clinic mode): more than one batch; the in-pass "
+                        "omegas come from exactly one forward pass (use mode 'eval' for "
+                        "statistics over several batches)"
+                    )
+                run()
+                count += 1
+            if count == 0:
+                raise ValueError("admin profiling: no batch to profile")
+            omegas, moments = profiler.result()
+        return omegas, moments
+    profiler = ResidualProfiler(stacks, include_padding=bool(include_padding))
     with eval_mode(root), torch.no_grad(), omegas_set_to(all_modules, 1.0), profiler:
         count = 0
         for masks, run in batches:
@@ -450,8 +620,37 @@ def parse_clinic_profile(text: str, path: str = "<text>") -> Dict[str, List[floa
     return {"encoder": segments[0], "decoder": segments[1]}
 
 
+def _check_omega_values(path: str, omegas: object) -> Dict[str, List[float]]:
+    """``{stack: [positive finite floats]}`` or a :class:`ProfileFileError` naming the entry."""
+    if not isinstance(omegas, dict) or not omegas:
+        raise ProfileFileError(
+            f"{path}: 'omegas' must map stack names (encoder, decoder) to lists of omegas; "
+            f"got {type(omegas).__name__}"
+        )
+    out = {}
+    for stack, values in omegas.items():
+        if not isinstance(values, list):
+            raise ProfileFileError(f"{path}: omegas[{stack!r}] must be a list of numbers")
+        for i, v in enumerate(values):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok or not math.isfinite(v) or v <= 0:
+                raise ProfileFileError(
+                    f"{path}: {stack} omega {i + 1} is {v!r}; every omega must be a positive "
+                    "finite number (a profile with NaN, infinite, zero or negative omegas "
+                    "comes from a diverged or broken measurement: measure it again)"
+                )
+        out[stack] = [float(v) for v in values]
+    return out
+
+
 def load_profile(path: str) -> Tuple[Dict[str, List[float]], Dict[str, object], str]:
-    """Read ``(omegas per stack, settings, kind)``; ``kind`` is ``"json"`` or ``"clinic"``."""
+    """Read ``(omegas per stack, settings, kind)``; ``kind`` is ``"json"`` or ``"clinic"``.
+
+    Every omega is checked (positive and finite). The settings of a version-1 JSON file
+    (written before the profiling modes existed) are completed with what that code did:
+    ``admin_profile_mode = "eval"`` and ``admin_profile_include_padding`` from its
+    ``include_padding``. A Clinic file has no settings (``{}``).
+    """
     try:
         with open(path, "r", encoding="utf-8") as f:
             text = f.read()
@@ -467,18 +666,47 @@ def load_profile(path: str) -> Tuple[Dict[str, List[float]], Dict[str, object], 
             raise ProfileFileError(
                 f"{path}: JSON with format {data.get('format')!r}; expected {PROFILE_FORMAT!r}"
             )
-        if data.get("version") != PROFILE_VERSION:
+        version = data.get("version")
+        if version not in READABLE_VERSIONS:
             raise ProfileFileError(
-                f"{path}: profile version {data.get('version')!r}; this code reads version {PROFILE_VERSION}"
+                f"{path}: profile version {version!r}; this code reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
-        omegas = data.get("omegas")
-        if not isinstance(omegas, dict) or not all(
-            isinstance(v, list) and all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in v)
-            for v in omegas.values()
-        ):
-            raise ProfileFileError(f"{path}: 'omegas' must map stack names to lists of positive numbers")
-        return {k: [float(x) for x in v] for k, v in omegas.items()}, dict(data.get("settings", {})), "json"
+        omegas = _check_omega_values(path, data.get("omegas"))
+        settings = data.get("settings", {})
+        if not isinstance(settings, dict):
+            raise ProfileFileError(f"{path}: 'settings' must be an object")
+        settings = dict(settings)
+        if version == 1:  # the code of version 1 profiled in eval mode only
+            settings.setdefault("admin_profile_mode", "eval")
+            if "include_padding" in settings:
+                settings.setdefault("admin_profile_include_padding",
+                                    bool(settings.pop("include_padding")))
+        return omegas, settings, "json"
     return parse_clinic_profile(text, path), {}, "clinic"
+
+
+def compare_settings(
+    path: str,
+    file_settings: Mapping[str, object],
+    model_settings: Mapping[str, object],
+    keys: Sequence[str],
+) -> None:
+    """Raise :class:`ProfileFileError` listing every key of ``keys`` whose value in the
+    profile file differs from the model's (``--flag: file X, flags Y``; keys are argument
+    names, so the flag is ``--`` + the key with dashes). A key the file does not record
+    (an older file) is not compared."""
+    diffs = [
+        f"--{k.replace('_', '-')}: file {file_settings[k]!r}, flags {model_settings.get(k)!r}"
+        for k in keys
+        if k in file_settings and file_settings[k] != model_settings.get(k)
+    ]
+    if diffs:
+        raise ProfileFileError(
+            f"{path}: the admin profile was measured with other settings than the flags "
+            "given (" + "; ".join(diffs) + "). Use a profile measured with these settings, "
+            "or another --admin-profile-path to measure a new one."
+        )
 
 
 def check_profile_counts(

@@ -43,7 +43,8 @@ instead of ``0.87 (N^4 M)^(-1/16)`` applied on top of a different base initialis
 Mixed precision: :class:`Float32OmegaResidual` keeps a *fixed* shortcut weight (Admin's
 buffer omega, DeepNorm's alpha) in float32 when the model is cast with ``.half()`` /
 ``.bfloat16()`` (what ``fairseq-train --fp16/--bf16`` does) and computes
-``x * omega + f_x`` in float32 before rounding once to the activation dtype. Trainable
+``x * omega + f_x`` in float32 before rounding once to the activation dtype, in one kernel
+forward and one backward; with omega == 1 it is fairseq's ``x + f_x`` (same kernels). Trainable
 weights (Admin's vector omega, ReZero's ``a``) follow the model dtype like every other
 parameter; fairseq's ``FP16Optimizer`` keeps their float32 master copies.
 """
@@ -166,22 +167,71 @@ def deepnorm_init_(
         )
 
 
+def _is_compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+class _ShortcutSum(torch.autograd.Function):
+    r"""``x * omega + f_x`` in one kernel each way, for ``x``, ``f_x`` of one dtype and shape.
+
+    Forward: one ``addcmul`` writing into a tensor of ``x``'s dtype. The kernel computes in
+    the inputs' common dtype and rounds on store: with a float32 ``omega`` (1-dim, so it
+    takes part in type promotion) and float16/bfloat16 activations that is float32 and one
+    rounding, without materialising float32 copies of ``x``, ``f_x`` or the sum; with
+    ``omega`` in the activations' dtype it is the plain ``addcmul``.
+    Backward: ``grad_f = grad`` (no kernel), ``grad_x = grad * omega`` written the same way
+    (one kernel, where autograd's ``addcmul`` formula takes two), and ``grad_omega =
+    sum(grad * x)`` over the broadcast dimensions only when omega is trained.
+    """
+
+    @staticmethod
+    def forward(ctx, x, f_x, omega):
+        ctx.save_for_backward(omega, x if omega.requires_grad else None)
+        return torch.addcmul(f_x, x, omega, out=torch.empty_like(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        omega, x = ctx.saved_tensors
+        grad_x = grad_omega = None
+        if ctx.needs_input_grad[0]:
+            if torch.is_grad_enabled():  # double backward: out= is not differentiable
+                grad_x = (grad.to(torch.promote_types(grad.dtype, omega.dtype)) * omega
+                          ).to(grad.dtype)
+            else:
+                grad_x = torch.mul(grad, omega, out=torch.empty_like(grad))
+        if ctx.needs_input_grad[2]:
+            prod = grad * x if omega.dtype == x.dtype else grad.float() * x.float()
+            grad_omega = prod.sum_to_size(omega.shape).to(omega.dtype)
+        return grad_x, grad if ctx.needs_input_grad[1] else None, grad_omega
+
+
 class Float32OmegaResidual(OmegaResidual):
     r"""Admin/DeepNorm residual ``x * omega + f_x`` whose *fixed* omega stays float32.
 
     Same constructor, state dict and float32 results as
     :class:`fairseq_admin_pos.admin.OmegaResidual` (bit for bit; with omega == 1 bitwise
-    ``x + f_x``, so ``--admin-init none`` remains stock fairseq). Two differences, for
+    ``x + f_x``, so ``--admin-init none`` remains stock fairseq). Differences, for
     ``fairseq-train --fp16/--bf16``, which casts the whole model with ``.half()`` /
-    ``.to(torch.bfloat16)``:
+    ``.to(torch.bfloat16)``, and for speed:
 
     * the buffer form (``as_parameter=False``) keeps omega in float32 through those casts
       (device moves still apply), so checkpoints hold the exact value and a profiled or
       closed-form omega is never rounded (3.04 would become 3.03125 in bfloat16);
-    * with float16/bfloat16 inputs and a float32 omega the sum is computed as
-      ``(x.float() * omega + f_x.float()).to(x.dtype)``: one rounding instead of rounding
-      omega, the product and the sum. For omega == 1 this is bitwise the half-precision
-      ``x + f_x`` (torch adds half tensors in float32 and rounds once too).
+    * with float16/bfloat16 inputs and a float32 omega the sum is computed in float32 and
+      rounded once to the activation dtype, in one kernel forward and one backward
+      (:class:`_ShortcutSum`, also used in float32, where autograd's ``addcmul`` would take
+      two backward kernels); mixed-dtype or broadcast inputs take
+      ``addcmul(f_x, x, omega).to(dtype)``, the same numbers in more kernels;
+    * a buffer omega *known* to be exactly 1 computes ``x + f_x`` itself: the same numbers
+      (``x * 1`` is exact) in stock fairseq's one kernel forward and none backward, so the
+      Post-LN/Pre-LN baselines (``--admin-init none``) cost what stock costs in every
+      precision. Known means set on the host (construction, ``load_state_dict`` from a CPU
+      state dict, dtype/device casts) and untouched since, which the tensor's version
+      counter tells without reading the device; any other write (``fill_``, ``copy_``,
+      profiling) makes the next forward take the general path until omega is set from the
+      host again. Never a host-device synchronisation. Writes through ``omega.data`` are not
+      seen by the version counter (nor by autograd): write omega under ``torch.no_grad()``.
 
     The parameter form (trainable vector, Transformer-Clinic) follows the model dtype like
     every other weight: fairseq's FP16Optimizer keeps its float32 master copy.
@@ -190,19 +240,69 @@ class Float32OmegaResidual(OmegaResidual):
     Shapes: ``x``, ``f_x`` ``(*, C)`` -> ``(*, C)``.
     """
 
+    def __init__(self, init_value, as_parameter=False, embed_dim=None):
+        super().__init__(init_value, as_parameter=as_parameter, embed_dim=embed_dim)
+        self._mark_known_one(not self.as_parameter and self.init_value == 1.0)
+
+    # -- omega == 1 known on the host ------------------------------------------------------
+    def _mark_known_one(self, known: bool) -> None:
+        omega = self._buffers.get("omega") if not self.as_parameter else None
+        # the tensor itself and its version: any later in-place write or replacement shows
+        # (tensors made under torch.inference_mode have no version counter: never known)
+        known = known and omega is not None and not omega.is_inference()
+        self._one_at = (omega, omega._version) if known else None
+
+    def _known_one(self) -> bool:
+        key = getattr(self, "_one_at", None)
+        if key is None or _is_compiling():
+            return False
+        omega = self._buffers.get("omega")
+        return key[0] is omega and key[1] == omega._version
+
     def _apply(self, fn, recurse=True):
+        # casts and moves keep 1.0 exactly (it is exact in every floating dtype); the meta
+        # device holds no value, and leaving it (to_empty) leaves garbage until a load
+        was_one = self._known_one() and self.omega.device.type != "meta"
         keep = None
         if not self.as_parameter and self.omega.dtype == torch.float32:
             keep = self.omega  # Module._apply replaces the buffer; this tensor stays float32
         out = super()._apply(fn, recurse)
         if keep is not None and self.omega.dtype in _LOW_PRECISION:
             self._buffers["omega"] = keep.to(device=self.omega.device)
+        self._mark_known_one(was_one and self.omega.device.type != "meta")
         return out
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        incoming = state_dict.get(prefix + "omega")
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self.as_parameter or not isinstance(incoming, torch.Tensor):
+            return  # nothing loaded into the buffer: what was known still holds
+        # read the incoming value only where that costs no device round trip
+        known = (len(error_msgs) == errors and incoming.device.type == "cpu"
+                 and bool((incoming == 1).all()))
+        self._mark_known_one(known)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, x, f_x):
+        if self._known_one():
+            return x + f_x
+        return self.forward_omega(x, f_x)
 
     def forward_omega(self, x, f_x):
         omega = self.omega
-        if x.dtype in _LOW_PRECISION and omega.dtype == torch.float32:
-            return (x.float() * omega + f_x.float()).to(x.dtype)
+        if not (x.is_floating_point() and f_x.is_floating_point()):
+            return super().forward_omega(x, f_x)
+        dtype = x.dtype if x.dtype == f_x.dtype else torch.promote_types(x.dtype, f_x.dtype)
+        # a float32 omega with half/bfloat16 activations: the sum is computed in float32
+        wide = omega.dtype == torch.float32 and dtype in _LOW_PRECISION
+        if (wide or omega.dtype == dtype) and x.dtype == f_x.dtype and x.shape == f_x.shape \
+                and not _is_compiling():
+            return _ShortcutSum.apply(x, f_x, omega)
+        if wide:  # mixed or broadcast inputs (torch.compile fuses this into one kernel)
+            return torch.addcmul(f_x, x, omega).to(dtype)
         return super().forward_omega(x, f_x)
 
 
@@ -217,7 +317,10 @@ class ReZeroResidual(nn.Module):
     shares one ``resweight`` between the two sub-layers of a layer).
 
     ``a`` is stored as a parameter of shape ``(1,)`` and follows the model dtype; it is cast
-    to ``f_x``'s dtype in the product. Shapes: ``x``, ``f_x`` ``(*, C)`` -> ``(*, C)``.
+    to ``f_x``'s dtype in the product, computed as one fused ``addcmul`` (one kernel, one
+    rounding, no temporary for ``a * f_x``; backward one kernel for ``f_x``'s gradient and a
+    product and a sum for ``a``'s, :class:`_ShortcutSum`). Shapes: ``x``, ``f_x`` ``(*, C)``
+    -> ``(*, C)``.
     """
 
     def __init__(self, init_value: float = 0.0):
@@ -231,7 +334,11 @@ class ReZeroResidual(nn.Module):
         alpha = self.alpha
         if f_x.is_floating_point() and alpha.dtype != f_x.dtype:
             alpha = alpha.to(f_x.dtype)
-        return x + alpha * f_x
+        if x.dtype == f_x.dtype and x.shape == f_x.shape and f_x.is_floating_point() \
+                and not _is_compiling():
+            # f_x * a + x: backward grad_x = grad, grad_f = grad * a (one kernel each way)
+            return _ShortcutSum.apply(f_x, x, alpha)
+        return torch.addcmul(x, f_x, alpha)
 
     def extra_repr(self) -> str:
         return f"alpha={float(self.alpha.detach().reshape(-1)[0]):.6g}"

@@ -8,6 +8,24 @@ from fairseq import options, tasks
 
 from fairseq_cli_utils import USER_DIR
 
+# a width-16 model: fast enough to build many variants in one test
+SMALL = [
+    "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+    "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2",
+]
+POS_CHOICES = ["sinusoidal", "scaled-sinusoidal", "learned", "none"]
+
+
+def residuals(stack):
+    """The residual modules of one stack, in execution order."""
+    out = []
+    for layer in stack.layers:
+        for name in ("self_attn_residual", "encoder_attn_residual", "final_residual"):
+            mod = getattr(layer, name, None)
+            if mod is not None:
+                out.append(mod)
+    return out
+
 
 def parse(data, arch: str, extra: Sequence[str] = ()):
     parser = options.get_training_parser()
@@ -53,3 +71,35 @@ def assert_incremental_matches_full(model, task, tgt_len=6, atol=1e-5):
         steps = [model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=state)[0]
                  for t in range(prev.size(1))]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=atol, rtol=atol)
+
+
+TRAINER_PRECISION = {
+    None: [],
+    "fp16": ["--fp16", "--fp16-no-flatten-grads"],  # one float32 master tensor per parameter
+    "fp16-flat": ["--fp16"],  # fairseq's default flattened master copy
+    "bf16": ["--bf16"],
+}
+
+
+def build_trainer(data, extra: Sequence[str] = (), precision=None, seed: int = 3):
+    """fairseq's own ``Trainer`` for ``admin_transformer``, built as ``fairseq-train`` builds it
+    (seeded model, task, criterion; Adam lr 3e-3, 400 tokens). ``precision``: a key of
+    :data:`TRAINER_PRECISION`; fairseq ties ``--bf16`` to TPUs, so ``tpu`` is reset to run
+    its bf16 path on the CPU."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    argv = [str(data), "--user-dir", USER_DIR, "--arch", "admin_transformer", "--cpu",
+            "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "400",
+            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--seed", str(seed), "--num-workers", "0", *map(str, extra),
+            *TRAINER_PRECISION[precision]]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    args.tpu = False
+    cfg = convert_namespace_to_omegaconf(args)
+    torch.manual_seed(seed)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return Trainer(cfg, task, model, criterion)

@@ -257,6 +257,21 @@ def test_omega_one_module_float32_input_half_is_bitwise():
     assert torch.equal(_bits(out), _bits(x + f))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_buffer_omega_of_another_dtype_costs_no_cast_kernel(dtype):
+    """A float32 omega with inputs of another dtype: one fused kernel, omega converted to the
+    inputs' dtype on the fly (as ``omega.to(x.dtype)`` would round it)."""
+    from dispatch_utils import OpRecorder
+
+    m = admin_torch.as_module(36)
+    x, f = torch.randn(5, 8).to(dtype), torch.randn(5, 8).to(dtype)
+    with OpRecorder() as rec:
+        out = m(x, f)
+    assert rec.kernels() == ["aten.addcmul.default"]
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.addcmul(f, x, m.omega.to(dtype)))
+
+
 def test_state_loading_decides_behaviour():
     x, f = torch.randn(3, 4), torch.randn(3, 4)
     one = admin_torch.OmegaResidual(1.0)

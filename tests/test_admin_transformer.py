@@ -6,24 +6,15 @@ import pytest
 import torch
 
 from fairseq_admin_pos.admin import OmegaResidual
-from model_utils import assert_incremental_matches_full, build, parse, sample_batch
-
-SMALL = [
-    "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
-    "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2",
-]
-POS_CHOICES = ["sinusoidal", "scaled-sinusoidal", "learned", "none"]
-
-
-def residuals(stack):
-    """The residual modules of one stack, in execution order."""
-    out = []
-    for layer in stack.layers:
-        for name in ("self_attn_residual", "encoder_attn_residual", "final_residual"):
-            mod = getattr(layer, name, None)
-            if mod is not None:
-                out.append(mod)
-    return out
+from model_utils import (
+    POS_CHOICES,
+    SMALL,
+    assert_incremental_matches_full,
+    build,
+    parse,
+    residuals,
+    sample_batch,
+)
 
 
 def expected_omega(n: int, scale: str) -> float:

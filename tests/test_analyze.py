@@ -1,10 +1,13 @@
-"""``fairseq-admin-analyze``: omegas and output change at initialisation.
+"""``fairseq-admin-analyze``: omegas and output change at initialisation, and of a trained
+checkpoint (``--checkpoint``).
 
 A small CPU run of the real tool (subprocess, as a user runs it) must show the shape the
 paper predicts: Post-LN's output change grows at least proportionally to depth, Admin's
 clearly slower. The measurement itself is checked against an independent computation
 (``torch.func.functional_call`` with separately perturbed weights) and the closed-form
-omegas against the formula written out here.
+omegas against the formula written out here. ``--checkpoint`` runs on a checkpoint that
+``fairseq-train`` wrote; its numbers are recomputed from the checkpoint file and from the
+initial model rebuilt with the training seed.
 """
 import csv
 import math
@@ -15,7 +18,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from fairseq_cli_utils import REPO, env
+from fairseq_cli_utils import REPO, TINY_MODEL, env, load_model_state, train
+from model_utils import build
 
 from fairseq_admin_pos.cli import analyze
 
@@ -104,24 +108,16 @@ def _tiny_model(depth=2, variant="post-ln", seed=1, tmp=None):
     return model, analyze.random_batch(task, 6, 9, seed)
 
 
-@pytest.mark.parametrize("variant", ["post-ln", "admin-closed-form"])
-def test_output_change_matches_functional_recomputation(tmp_path, variant):
-    model, n = _tiny_model(3, variant, tmp=tmp_path)
-    before = {k: v.clone() for k, v in model.named_parameters()}
-    eps, seed = 0.05, 11
-    enc, dec = analyze.output_change(model, n, eps, 1, "branches", seed)
-    # the weights are restored exactly
-    assert all(torch.equal(before[k], v) for k, v in model.named_parameters())
-
-    # independent: perturbed copies of the branch weights, fed through functional_call
+def functional_change(model, n, eps, seed):
+    """The output change recomputed independently of the tool: perturbed copies of the branch
+    weights (attention and FFN weights and biases of every layer, drawn in parameter order),
+    fed through ``torch.func.functional_call``. Returns ``(encoder, decoder, n_perturbed)``."""
     g = torch.Generator().manual_seed(seed)
     perturbed = {}
     for name, p in model.named_parameters():
         if ".layers." in name and "layer_norm" not in name and not name.endswith("omega"):
             rms = float(torch.sqrt(torch.mean(p.detach().double() ** 2)))
             perturbed[name] = p.detach() + eps * rms * torch.randn(p.shape, generator=g)
-    # per layer: (q, k, v, out) x (weight, bias) per attention + fc1/fc2 (weight, bias)
-    assert len(perturbed) == 3 * (8 + 4) + 3 * (16 + 4)
 
     def outputs(params):
         sub = lambda prefix: {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
@@ -139,8 +135,22 @@ def test_output_change_matches_functional_recomputation(tmp_path, variant):
     mt = n["prev_output_tokens"] != model.decoder.padding_idx
     ref_enc = ((e1 - e0)[ms].double() ** 2).sum() / (e0[ms].double() ** 2).sum()
     ref_dec = ((d1 - d0)[mt].double() ** 2).sum() / (d0[mt].double() ** 2).sum()
-    assert enc == pytest.approx(float(ref_enc), rel=1e-4)
-    assert dec == pytest.approx(float(ref_dec), rel=1e-4)
+    return float(ref_enc), float(ref_dec), len(perturbed)
+
+
+@pytest.mark.parametrize("variant", ["post-ln", "admin-closed-form"])
+def test_output_change_matches_functional_recomputation(tmp_path, variant):
+    model, n = _tiny_model(3, variant, tmp=tmp_path)
+    before = {k: v.clone() for k, v in model.named_parameters()}
+    eps, seed = 0.05, 11
+    enc, dec = analyze.output_change(model, n, eps, 1, "branches", seed)
+    # the weights are restored exactly
+    assert all(torch.equal(before[k], v) for k, v in model.named_parameters())
+    ref_enc, ref_dec, n_perturbed = functional_change(model, n, eps, seed)
+    # per layer: (q, k, v, out) x (weight, bias) per attention + fc1/fc2 (weight, bias)
+    assert n_perturbed == 3 * (8 + 4) + 3 * (16 + 4)
+    assert enc == pytest.approx(ref_enc, rel=1e-4)
+    assert dec == pytest.approx(ref_dec, rel=1e-4)
     assert enc > 0 and dec > 0
 
 
@@ -190,3 +200,141 @@ def test_bad_arguments_name_the_flag(args, message, tmp_path, capsys):
     assert e.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "output_change.csv").exists()
+
+
+# --------------------------------------------------------------------------------------- #
+# --checkpoint: a model fairseq-train trained
+# --------------------------------------------------------------------------------------- #
+CKPT_MODEL = TINY_MODEL + ["--admin-omega", "parameter", "--encoder-pos-emb", "scaled-sinusoidal"]
+TRAIN_SEED = 3  # fairseq_cli_utils.TRAIN_COMMON
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_data, tmp_path_factory):
+    """3 Adam updates (lr 1e-3) of a 2L-2L model with trainable omegas, then the tool on it."""
+    root = tmp_path_factory.mktemp("ckpt")
+    train(tiny_data, root / "ck", "admin_transformer", CKPT_MODEL, max_update=3)
+    ckpt = root / "ck" / "checkpoint_last.pt"
+    proc = run_tool(["--checkpoint", ckpt, "--trials", "1", "--seeds", "1,2", "--batch-size", "6",
+                     "--max-len", "9", "--perturbation", "0.05", "--out-dir", root / "out"])
+    return ckpt, root / "out", proc.stdout
+
+
+@pytest.mark.parametrize("which", ["initialisation", "checkpoint"])
+def test_checkpoint_output_change_matches_recomputation(trained, tiny_data, which):
+    ckpt, out, stdout = trained
+    rows = [r for r in csv.DictReader(open(out / "checkpoint_output_change.csv"))
+            if r["model"] == which]
+    assert [int(r["seed"]) for r in rows] == [1, 2]
+    # independently: the model built as fairseq-train builds it (its seed), with the
+    # checkpoint's weights loaded for the trained one
+    model, task, _ = build(tiny_data, "admin_transformer", CKPT_MODEL, seed=TRAIN_SEED)
+    if which == "checkpoint":
+        model.load_state_dict(load_model_state(ckpt))
+    model.eval()
+    for r in rows:
+        seed = int(r["seed"])
+        n = analyze.random_batch(task, 6, 9, seed)
+        enc, dec, _ = functional_change(model, n, 0.05, 1000 * seed + 7)
+        assert float(r["encoder_change"]) == pytest.approx(enc, rel=1e-4)
+        assert float(r["decoder_change"]) == pytest.approx(dec, rel=1e-4)
+    assert "checkpoint/init" in stdout and "3 updates (training seed 3)" in stdout
+
+
+def test_checkpoint_weights_are_the_checkpoints(trained):
+    ckpt, out, stdout = trained
+    state = load_model_state(ckpt)
+    rows = list(csv.DictReader(open(out / "checkpoint_weights.csv")))
+    subl = {"self-attn": "self_attn", "enc-attn": "encoder_attn", "ffn": "final"}
+    omegas = [r for r in rows if r["weight"] == "omega"]
+    assert [(r["stack"], r["sublayer"]) for r in omegas] == (
+        [("encoder", s) for _ in range(2) for s in ("self-attn", "ffn")]
+        + [("decoder", s) for _ in range(2) for s in ("self-attn", "enc-attn", "ffn")])
+    for r in omegas:
+        w = state[f"{r['stack']}.layers.{r['layer']}.{subl[r['sublayer']]}_residual.omega"].double()
+        assert w.numel() == 32
+        for stat in ("mean", "min", "max"):
+            assert float(r[stat]) == pytest.approx(getattr(w, stat)().item(), abs=1e-6)
+        n_sub = 4 if r["stack"] == "encoder" else 6  # admin-torch closed form, O(log N)
+        assert float(r["init"]) == pytest.approx(math.sqrt((n_sub + 1) / math.log(n_sub + 1) - 1),
+                                                 abs=1e-6)
+        assert float(r["min"]) < float(r["max"])  # trained: no longer one value
+    (pos,) = [r for r in rows if r["weight"] == "pos_scale"]
+    assert pos["stack"] == "encoder"
+    assert float(pos["init"]) == pytest.approx(1 / math.sqrt(32), abs=1e-6)
+    assert float(pos["mean"]) == pytest.approx(
+        state["encoder.embed_positions.embed.scaling"].item(), abs=1e-6)
+    assert "encoder      0  self-attn omega" in stdout
+
+
+def test_checkpoint_init_model_is_the_one_training_started_from(trained, tiny_data):
+    ckpt, _, _ = trained
+    init_model, model, _, _, num_updates = analyze.load_checkpoint(str(ckpt))
+    assert num_updates == 3
+    state = load_model_state(ckpt)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items()
+               if torch.is_tensor(v))
+    # 3 Adam steps of lr 1e-3 move no weight by more than a few lr (Adam's step is about lr
+    # per element); another initialisation differs by the weights' own size
+    diffs = {k: (v - state[k]).abs().max().item() for k, v in init_model.state_dict().items()
+             if torch.is_tensor(v) and v.is_floating_point()}
+    assert max(diffs.values()) < 1e-2, max(diffs.items(), key=lambda kv: kv[1])
+    assert max(diffs.values()) > 1e-4  # and training did move them
+    other, _, _ = build(tiny_data, "admin_transformer", CKPT_MODEL, seed=TRAIN_SEED + 1)
+    other_diff = other.encoder.embed_tokens.weight - state["encoder.embed_tokens.weight"]
+    assert other_diff.abs().max() > 0.1
+
+
+def _corrupt(ckpt, path, what):
+    state = torch.load(ckpt, map_location="cpu")
+    if what == "stock":
+        state["cfg"]["model"].arch = state["cfg"]["model"]._name = "transformer"
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file"),
+    ("garbage", "not a checkpoint torch.load can read"),
+    ("stock", "holds a 'transformer' model; --checkpoint needs an admin_transformer"),
+    ("model-flag", "--depths cannot be combined with --checkpoint"),
+])
+def test_checkpoint_errors_name_the_flag(trained, tmp_path, capsys, case, message):
+    ckpt, _, _ = trained
+    path = tmp_path / "ckpt.pt"
+    extra = []
+    if case == "garbage":
+        path.write_bytes(b"not a checkpoint" * 10)
+    elif case == "stock":
+        _corrupt(ckpt, path, "stock")
+    elif case == "model-flag":
+        path, extra = ckpt, ["--depths", "2"]
+    with pytest.raises(SystemExit) as e:
+        analyze.cli_main(["--checkpoint", str(path), *extra, "--out-dir", str(tmp_path / "out")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint" in err and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_of_a_profiled_run(tiny_data, tmp_path, capsys):
+    """--admin-init profile: the checkpoint holds the omegas profiled on the first training
+    batch; the fresh model is profiled on the analysis batch (first sub-layer 1, then
+    growing, as Admin's recurrence gives)."""
+    train(tiny_data, tmp_path / "ck", "admin_transformer", TINY_MODEL + ["--admin-init", "profile"],
+          max_update=1)
+    ckpt = tmp_path / "ck" / "checkpoint_last.pt"
+    assert analyze.cli_main(["--checkpoint", str(ckpt), "--trials", "1",
+                             "--out-dir", str(tmp_path / "out")]) == 0
+    assert "--admin-init profile" in capsys.readouterr().out
+    state = load_model_state(ckpt)
+    rows = list(csv.DictReader(open(tmp_path / "out" / "checkpoint_weights.csv")))
+    subl = {"self-attn": "self_attn", "enc-attn": "encoder_attn", "ffn": "final"}
+    for stack in ("encoder", "decoder"):
+        mine = [r for r in rows if r["stack"] == stack]
+        init = [float(r["init"]) for r in mine]
+        assert init[0] == 1.0 and all(b > a for a, b in zip(init, init[1:])), init
+        for r in mine:  # fixed buffers: the checkpoint's profiled values
+            w = state[f"{stack}.layers.{r['layer']}.{subl[r['sublayer']]}_residual.omega"]
+            assert float(r["mean"]) == pytest.approx(w.item(), abs=1e-6)
+            assert r["min"] == r["max"] == r["mean"]
+        assert [float(r["mean"]) for r in mine] != [1.0] * len(mine)

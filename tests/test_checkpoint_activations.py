@@ -10,8 +10,7 @@ import torch
 
 from fairseq_admin_pos.schemes import ReZeroResidual
 from fairseq_cli_utils import TINY_MODEL, train, train_losses
-from model_utils import build, sample_batch
-from test_admin_transformer import SMALL
+from model_utils import SMALL, build, sample_batch
 
 SCHEMES = {
     "admin": [],

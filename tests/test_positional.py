@@ -1,4 +1,6 @@
-"""Tests for fairseq_admin_pos.positional (pure torch, CPU, seeded)."""
+"""Tests for fairseq_admin_pos.positional (pure torch, CPU, seeded) and, at the end, for the
+scaled-sinusoid position choice of admin_transformer built through fairseq's command line
+(``--pos-emb-scaled-table``, ``--pos-emb-scale-init``)."""
 import math
 import os
 import re
@@ -47,6 +49,19 @@ def standard_loop_table(n_position, hidden_width):
             table[pos][j] = math.sin(pos * freq)
             if j + 1 < hidden_width:
                 table[pos][j + 1] = math.cos(pos * freq)
+    return torch.tensor(table, dtype=torch.float64).to(torch.float32)
+
+
+def fairseq_loop_table(n_position, hidden_width):
+    """tensor2tensor/fairseq: h = H // 2 frequencies w_j = 10000^(-j / (h - 1)), first half
+    sin(pos w_j), second half cos(pos w_j), a zero last column for odd H; row 0 included."""
+    h = hidden_width // 2
+    table = [[0.0] * hidden_width for _ in range(n_position)]
+    for pos in range(n_position):
+        for j in range(h):
+            w = 10000.0 ** (-j / (h - 1))
+            table[pos][j] = math.sin(pos * w)
+            table[pos][h + j] = math.cos(pos * w)
     return torch.tensor(table, dtype=torch.float64).to(torch.float32)
 
 
@@ -223,14 +238,31 @@ def test_device_following_meta():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cls", [SinusoidalEmbeddings, PositionalEmbeddings])
-def test_cuda_device_and_range_error(cls):
+def test_cuda_forward_does_not_synchronize(cls):
     m = cls(10, 4).cuda()
-    out = m(torch.arange(10, device="cuda"))
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host wait raises
+    try:
+        out = m(torch.arange(10, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     assert out.is_cuda and torch.equal(out.cpu(), m.cpu()(torch.arange(10)))
-    m.cuda()
-    with pytest.raises(IndexError, match="n_position"):  # not a device-side assert
-        m(torch.tensor([3, 10], device="cuda"))
-    assert torch.equal(m(torch.tensor([3], device="cuda")).cpu(), m.embedding.weight[3:4].cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cls", ["SinusoidalEmbeddings", "PositionalEmbeddings"])
+def test_cuda_out_of_range_fails_asynchronously(cls):
+    """On CUDA the range check is a device assertion: the process fails at the next
+    synchronisation (run in a subprocess: a device assertion ends the CUDA context)."""
+    import subprocess
+    import sys
+
+    code = (f"import torch\nfrom fairseq_admin_pos.positional import {cls}\n"
+            f"m = {cls}(10, 4).cuda()\nm(torch.tensor([3, 10], device='cuda'))\n"
+            "torch.cuda.synchronize()\nprint('no error')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)
+    assert proc.returncode != 0 and "no error" not in proc.stdout
+    assert "assert" in proc.stderr.lower()
 
 
 # --------------------------------------------------------------------------- #
@@ -356,3 +388,247 @@ def test_errors_survive_optimized_compile():
     for fn, exc, word in checks:
         with pytest.raises(exc, match=re.escape(word)):
             fn()
+
+
+# --------------------------------------------------------------------------- #
+# fairseq layout and the initial scale (pure module)
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("n_position,hidden_width,padding_idx", [
+    (10, 4, None), (9, 5, 1), (40, 16, 1), (1030, 512, 1), (33, 7, 0)])
+def test_fairseq_layout_is_fairseqs_table_bit_for_bit(n_position, hidden_width, padding_idx):
+    from fairseq.modules.sinusoidal_positional_embedding import SinusoidalPositionalEmbedding
+
+    m = SinusoidalEmbeddings(n_position, hidden_width, padding_idx=padding_idx,
+                             frequency_layout="fairseq")
+    want = SinusoidalPositionalEmbedding.get_embedding(n_position, hidden_width, padding_idx)
+    assert m.embedding.weight.dtype == torch.float32
+    assert torch.equal(m.embedding.weight, want)
+
+
+@pytest.mark.parametrize("n_position,hidden_width", [(12, 4), (50, 9), (64, 16)])
+def test_fairseq_layout_closed_form(n_position, hidden_width):
+    # float32 angles pos * w_j lose ~pos * 6e-8 against the float64 loop
+    table = SinusoidalEmbeddings.position_encoding_init(n_position, hidden_width, "fairseq")
+    torch.testing.assert_close(table, fairseq_loop_table(n_position, hidden_width),
+                               rtol=0, atol=n_position * 1e-7 + 1e-6)
+    assert torch.equal(table[0, : hidden_width // 2], torch.zeros(hidden_width // 2))  # sin 0
+    assert torch.equal(table[0, hidden_width // 2: 2 * (hidden_width // 2)],
+                       torch.ones(hidden_width // 2))                                   # cos 0
+
+
+@pytest.mark.parametrize("hidden_width", [1, 2, 3])
+def test_fairseq_layout_needs_width_four(hidden_width):
+    with pytest.raises(ValueError, match="hidden_width >= 4"):
+        SinusoidalEmbeddings(8, hidden_width, frequency_layout="fairseq")
+
+
+@pytest.mark.parametrize("layout", ["standard", "seed", "fairseq"])
+@pytest.mark.parametrize("scaling_init", [None, 1.0, 0.25, -2.0, 0.0])
+def test_scaling_init(layout, scaling_init):
+    m = SinusoidalEmbeddings(20, 8, learnable_scaling=True, padding_idx=1,
+                             frequency_layout=layout, scaling_init=scaling_init)
+    want = 8 ** -0.5 if scaling_init is None else scaling_init
+    assert m.scaling.shape == (1,) and m.scaling.item() == pytest.approx(want, rel=1e-7)
+    assert sorted(m.state_dict()) == ["embedding.weight", "scaling"]  # the seed's keys
+    x = torch.tensor([[1, 2, 19], [5, 1, 3]])
+    torch.testing.assert_close(m(x), m.embedding.weight.detach()[x] * torch.tensor(want),
+                               rtol=0, atol=0)
+    assert f"scaling_init={want:.6g}" in repr(m)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scaling_init=1.0), "learnable_scaling=True"),
+    (dict(learnable_scaling=True, scaling_init=float("nan")), "scaling_init"),
+    (dict(learnable_scaling=True, scaling_init=float("inf")), "scaling_init"),
+    (dict(learnable_scaling=True, scaling_init=True), "scaling_init"),
+    (dict(learnable_scaling=True, scaling_init="1"), "scaling_init"),
+])
+def test_scaling_init_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SinusoidalEmbeddings(10, 4, **kwargs)
+
+
+def test_lookup_is_forward_without_the_check():
+    m = SinusoidalEmbeddings(16, 6, learnable_scaling=True, scaling_init=0.5)
+    x = torch.randint(0, 16, (3, 4))
+    assert torch.equal(m.lookup(x), m(x))
+    with pytest.raises(IndexError, match="n_position"):
+        m(torch.tensor([16]))
+    with pytest.raises(IndexError):  # nn.Embedding's own error, not a silent wrong row
+        m.lookup(torch.tensor([16]))
+
+
+# --------------------------------------------------------------------------- #
+# admin_transformer: --pos-emb-scaled-table / --pos-emb-scale-init
+# --------------------------------------------------------------------------- #
+SCALED = ["--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal"]
+
+
+def _tiny():
+    from fairseq_cli_utils import TINY_MODEL
+
+    return TINY_MODEL + ["--dropout", "0.2"]
+
+
+def test_scaled_fairseq_table_scale_one_is_stock_fairseq_at_init(tiny_data):
+    """Stock fairseq's transformer (SinusoidalPositionalEmbedding) and admin_transformer with
+    the scaled sinusoid (fairseq table, scale 1), --admin-init none, same seed: the same
+    parameters plus one scalar per side, bitwise the same outputs in training (dropout on)
+    and evaluation, and the same incremental decoding."""
+    from model_utils import build, sample_batch
+
+    stock, task, _ = build(tiny_data, "transformer", _tiny(), seed=7)
+    scaled, _, _ = build(tiny_data, "admin_transformer", _tiny() + SCALED + [
+        "--admin-init", "none", "--pos-emb-scaled-table", "fairseq", "--pos-emb-scale-init", "1"],
+        seed=7)
+    s_state, a_state = stock.state_dict(), scaled.state_dict()
+    for k, v in s_state.items():
+        assert torch.equal(v, a_state[k]), k
+    extra = {k for k in set(a_state) - set(s_state) if not k.endswith(".omega")}
+    assert extra == {"_extra_state"} | {f"{side}.embed_positions.embed.{name}"
+                                        for side in ("encoder", "decoder")
+                                        for name in ("embedding.weight", "scaling")}
+    assert all(a_state[f"{side}.embed_positions.embed.scaling"].item() == 1.0
+               for side in ("encoder", "decoder"))
+
+    src, lengths, prev = sample_batch(task, left_pad_lengths=[7, 4, 6])
+    for train_mode in (True, False):
+        stock.train(train_mode), scaled.train(train_mode)
+        torch.manual_seed(3)
+        want = stock(src, lengths, prev)[0]
+        torch.manual_seed(3)
+        assert torch.equal(scaled(src, lengths, prev)[0], want)
+
+    with torch.no_grad():
+        outs = []
+        for model in (stock, scaled):
+            enc = model.encoder(src, src_lengths=lengths)
+            state = {}
+            outs.append(torch.cat([model.decoder(prev[:, : t + 1], encoder_out=enc,
+                                                 incremental_state=state)[0]
+                                   for t in range(prev.size(1))], dim=1))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("side,tokens", [("encoder", "src"), ("decoder", "prev")])
+def test_scaled_fairseq_table_matches_fairseqs_module(tiny_data, side, tokens):
+    """Position by position against fairseq's SinusoidalPositionalEmbedding, full sequences
+    (left-padded) and one incremental step."""
+    from fairseq.modules import PositionalEmbedding
+
+    from model_utils import build, sample_batch
+
+    model, task, _ = build(tiny_data, "admin_transformer", _tiny() + SCALED + [
+        "--pos-emb-scaled-table", "fairseq", "--pos-emb-scale-init", "1"])
+    ours = getattr(model, side).embed_positions
+    pad = task.source_dictionary.pad()
+    theirs = PositionalEmbedding(ours.max_positions, 32, pad, learned=False)
+    src, _, prev = sample_batch(task, left_pad_lengths=[7, 3, 5])
+    x = {"src": src, "prev": prev}[tokens]
+    assert torch.equal(ours(x), theirs(x))
+    assert ours(x)[0].abs().sum() > 0 and torch.equal(ours(src)[1, :4], torch.zeros(4, 32))
+    step = ours(x, incremental_state={})
+    assert torch.equal(step.expand(x.size(0), 1, -1), theirs(x, incremental_state={}))
+
+
+@pytest.mark.parametrize("table,layout", [(None, "standard"), ("interleaved", "standard"),
+                                          ("seed", "seed"), ("fairseq", "fairseq")])
+@pytest.mark.parametrize("scale", [None, "0.5"])
+def test_scaled_table_and_scale_flags_build_that_module(tiny_data, table, layout, scale):
+    from model_utils import build
+
+    extra = SCALED + (["--pos-emb-scaled-table", table] if table else []) + (
+        ["--pos-emb-scale-init", scale] if scale else [])
+    model, task, args = build(tiny_data, "admin_transformer", _tiny() + extra)
+    pad = task.source_dictionary.pad()
+    for side in ("encoder", "decoder"):
+        emb = getattr(model, side).embed_positions.embed
+        assert emb.frequency_layout == layout
+        want = SinusoidalEmbeddings.position_encoding_init(emb.n_position, 32, layout)
+        want[pad] = 0
+        assert torch.equal(emb.embedding.weight, want)
+        assert emb.scaling.item() == pytest.approx(0.5 if scale else 32 ** -0.5, rel=1e-7)
+    assert model.admin_settings["pos_emb_scaled_table"] == (table or "interleaved")
+    assert model.admin_settings["pos_emb_scale_init"] == (float(scale) if scale else None)
+
+
+def test_one_scaled_side_gets_the_flags_and_the_other_is_stock(tiny_data):
+    from fairseq.modules import SinusoidalPositionalEmbedding
+
+    from model_utils import build
+
+    model, _, _ = build(tiny_data, "admin_transformer", _tiny() + [
+        "--decoder-pos-emb", "scaled-sinusoidal", "--pos-emb-scaled-table", "seed"])
+    assert isinstance(model.encoder.embed_positions, SinusoidalPositionalEmbedding)
+    assert model.decoder.embed_positions.embed.frequency_layout == "seed"
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--pos-emb-scaled-table", "fairseq"],
+     r"--pos-emb-scaled-table fairseq only apply to scaled-sinusoid positions"),
+    (["--pos-emb-scale-init", "1", "--encoder-pos-emb", "learned"],
+     r"--pos-emb-scale-init 1.0 only apply .* --encoder-pos-emb is learned"),
+    (SCALED + ["--pos-emb-scale-init", "nan"], r"--pos-emb-scale-init must be a finite number"),
+    (SCALED + ["--pos-emb-scale-init", "inf"], r"--pos-emb-scale-init must be a finite number"),
+])
+def test_scaled_flag_errors(tiny_data, extra, match):
+    from model_utils import build
+
+    with pytest.raises(ValueError, match=match):
+        build(tiny_data, "admin_transformer", _tiny() + extra)
+
+
+def test_bad_scaled_table_choice_is_refused_by_the_parser(tiny_data, capsys):
+    from model_utils import parse
+
+    with pytest.raises(SystemExit):
+        parse(tiny_data, "admin_transformer", SCALED + ["--pos-emb-scaled-table", "vaswani"])
+    assert "interleaved" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,ours,theirs", [
+    ("--pos-emb-scaled-table", "seed", "fairseq"),
+    ("--pos-emb-scale-init", "1", "0.5"),
+])
+def test_scaled_settings_are_checked_on_load(tiny_data, flag, ours, theirs):
+    from model_utils import build
+
+    a, _, _ = build(tiny_data, "admin_transformer", _tiny() + SCALED + [flag, ours])
+    b, _, _ = build(tiny_data, "admin_transformer", _tiny() + SCALED + [flag, theirs])
+    with pytest.raises(ValueError, match=re.escape(flag) + ": checkpoint"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_too_long_input_names_n_position(tiny_data):
+    from model_utils import build
+
+    model, task, _ = build(tiny_data, "admin_transformer", _tiny() + SCALED + [
+        "--max-source-positions", "6"])
+    emb = model.encoder.embed_positions
+    tokens = torch.full((2, 7), task.source_dictionary.eos())
+    with pytest.raises(IndexError,
+                       match=r"7 tokens .* = 8, .* n_position = 8 rows \(max positions 6"):
+        emb(tokens)
+    assert emb(tokens[:, :6]).shape == (2, 6, 32)
+
+
+def test_cli_train_generate_keep_the_table_and_train_the_scale(tiny_data, tmp_path):
+    """fairseq-train with the seed's table and scale 0.5; the checkpoint carries the settings
+    and the trained scale, and fairseq-generate rebuilds the same table from it."""
+    from fairseq_cli_utils import generate, hypotheses, load_model_state, train
+
+    save = tmp_path / "ck"
+    train(tiny_data, save, "admin_transformer", _tiny() + SCALED + [
+        "--pos-emb-scaled-table", "seed", "--pos-emb-scale-init", "0.5"], max_update=3)
+    state = load_model_state(save / "checkpoint_last.pt")
+    assert state["_extra_state"]["pos_emb_scaled_table"] == "seed"
+    assert state["_extra_state"]["pos_emb_scale_init"] == 0.5
+    for side in ("encoder", "decoder"):
+        scale = state[f"{side}.embed_positions.embed.scaling"]
+        assert scale.shape == (1,) and scale.item() != 0.5  # trained
+        table = state[f"{side}.embed_positions.embed.embedding.weight"]
+        want = SinusoidalEmbeddings.position_encoding_init(table.size(0), 32, "seed")
+        want[1] = 0  # fairseq's padding index
+        assert torch.equal(table, want)
+    out = generate(tiny_data, save / "checkpoint_last.pt").stdout
+    assert len(hypotheses(out)) == 24

@@ -1,5 +1,6 @@
 """Mixed precision on the CPU: fixed omegas/alphas stay float32 through fairseq's casts,
-position tables are rounded once, profiling statistics stay float32/64, every residual
+position tables are rounded once, profiling statistics stay float32/64, profiled trainable
+omegas reach FP16Optimizer's float32 master copy (flat and per-parameter), every residual
 scheme and position choice trains through fairseq's own fp16 (loss scaling) and bf16
 machinery, and checkpoints load back in float32 for generation.
 
@@ -13,6 +14,7 @@ for torch_xla; the bf16 tests run fairseq's own ``train.main`` / ``Trainer`` wit
 reset to False, which is the same model cast, sample cast and FP16Optimizer a GPU run uses.
 CUDA kernels (and apex's fused kernels) are not exercised here.
 """
+import json
 import math
 import sys
 
@@ -34,8 +36,7 @@ from fairseq_cli_utils import (
     run,
     train_losses,
 )
-from model_utils import build, sample_batch
-from test_admin_transformer import SMALL, POS_CHOICES, residuals
+from model_utils import POS_CHOICES, SMALL, build, build_trainer, residuals, sample_batch
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -81,15 +82,138 @@ def test_low_precision_sum_is_computed_in_float32(dtype):
     m = Float32OmegaResidual(omega).to(dtype)
     out = m(x, f)
     assert out.dtype == dtype
-    want = (x.double() * torch.tensor(omega, dtype=torch.float32).double() + f.double())
-    torch.testing.assert_close(out, (x.float() * m.omega + f.float()).to(dtype), rtol=0, atol=0)
+    omega32 = torch.tensor(omega, dtype=torch.float32).double()
+    exact = x.double() * omega32 + f.double()  # exact: 11 + 24 significant bits
+    # float32 arithmetic, then one rounding to dtype: the float32 step is fused (one float32
+    # rounding, as a GPU's FMA or a vectorised CPU loop) or not (two); either way every
+    # element is one of these two values
+    fused = exact.float().to(dtype)
+    unfused = (x.float() * omega32.float() + f.float()).to(dtype)
+    assert ((out == fused) | (out == unfused)).all()
     naive = OmegaResidual(omega).to(dtype)(x, f)  # omega rounded to dtype, two roundings
-    err_ours = (out.double() - want).abs().mean().item()
-    err_naive = (naive.double() - want).abs().mean().item()
+    err_ours = (out.double() - exact).abs().mean().item()
+    err_naive = (naive.double() - exact).abs().mean().item()
     assert err_ours < err_naive, (err_ours, err_naive)
     # omega == 1: bitwise the plain half-precision residual (stock fairseq in fp16/bf16)
     one = Float32OmegaResidual(1.0).to(dtype)
     assert torch.equal(one(x, f), x + f)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_gradient_is_float32_rounded_once(dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 8, generator=g).to(dtype).requires_grad_()
+    f = torch.randn(64, 8, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(64, 8, generator=g).to(dtype)
+    m = Float32OmegaResidual(calculate_init(36)).to(dtype)
+    gx, gf = torch.autograd.grad(m(x, f), (x, f), up)
+    assert gx.dtype == gf.dtype == dtype
+    assert torch.equal(gx, (up.double() * m.omega.double()).to(dtype))  # exact product, rounded
+    assert torch.equal(gf, up)
+
+
+def _kernels(fn, x, f):
+    """Kernels (aten ops that are neither views nor allocations) of one forward and of the
+    backward to both inputs."""
+    from dispatch_utils import OpRecorder
+
+    x = x.detach().requires_grad_()
+    f = f.detach().requires_grad_()
+    with OpRecorder() as fwd:
+        out = fn(x, f)
+    up = torch.ones_like(out)
+    with OpRecorder() as bwd:
+        torch.autograd.grad(out, (x, f), up)
+    return fwd.kernels(), bwd.kernels()
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _xf(dtype):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(6, 2, 8, generator=g).to(dtype),
+            torch.randn(6, 2, 8, generator=g).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("how", ["init", "O(n)", "load", "cast"])
+def test_omega_one_costs_what_stock_costs(dtype, how):
+    """Post-LN/Pre-LN baselines (--admin-init none): the kernels of fairseq's ``x + f_x``."""
+    if how == "init":
+        m = Float32OmegaResidual(1.0)
+    elif how == "O(n)":
+        m = Float32OmegaResidual(calculate_init(12, "O(n)"))
+    elif how == "load":  # a checkpoint holding omega = 1 (fairseq loads on the CPU)
+        m = Float32OmegaResidual(2.0)
+        m.load_state_dict({"omega": torch.tensor([1.0], dtype=torch.float64)})
+    else:  # fairseq's model casts, and back
+        m = Float32OmegaResidual(1.0).to(dtype).double().float()
+    m.to(dtype)
+    x, f = _xf(dtype)
+    assert _kernels(m, x, f) == _kernels(lambda a, b: a + b, x, f)
+    assert torch.equal(m(x, f), x + f)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scheme", ["admin", "deepnorm"])
+def test_fixed_omega_is_one_kernel_each_way(dtype, scheme):
+    c = deepnorm_constants(6, 6)
+    m = Float32OmegaResidual(calculate_init(36) if scheme == "admin" else c.encoder_alpha)
+    m.to(dtype)
+    fwd, bwd = _kernels(m, *_xf(dtype))
+    assert fwd == ["aten.addcmul.out"]  # float32 maths, rounded on store
+    assert bwd == ["aten.mul.out"]      # grad_x = grad * omega; grad_f = grad, no kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("module", ["admin-parameter", "rezero"])
+def test_trained_weight_is_one_kernel_forward(dtype, module):
+    m = (Float32OmegaResidual(2.0, as_parameter=True, embed_dim=8) if module == "admin-parameter"
+         else ReZeroResidual(0.5)).to(dtype)
+    fwd, bwd = _kernels(m, *_xf(dtype))
+    assert fwd == ["aten.addcmul.out"]
+    # the branch's gradient, then the weight's: a product and a sum over the other dims
+    assert bwd == ["aten.mul.out", "aten.mul.Tensor", "aten.sum.dim_IntList"]
+
+
+def test_module_built_under_inference_mode():
+    # inference tensors have no version counter: such an omega is never "known", still right
+    x, f = _xf(torch.float32)
+    with torch.inference_mode():
+        one, two = Float32OmegaResidual(1.0), Float32OmegaResidual(2.0)
+        assert torch.equal(one(x, f), x + f)
+    assert torch.equal(one(x, f), x + f)
+    assert torch.equal(two(x, f), torch.addcmul(f, x, torch.tensor([2.0])))
+
+
+@pytest.mark.parametrize("write", ["fill", "copy", "load", "assign", "meta-then-to-empty"])
+def test_known_one_follows_every_write(write):
+    """The host-side "omega is 1" shortcut never outlives a write to omega."""
+    x, f = _xf(torch.float32)
+    m = Float32OmegaResidual(1.0)
+    with torch.no_grad():
+        if write == "fill":
+            m.omega.fill_(2.5)
+        elif write == "copy":
+            m.omega.copy_(torch.tensor([2.5]))
+        elif write == "load":
+            m.load_state_dict({"omega": torch.tensor([2.5])})
+        elif write == "assign":
+            m.omega = torch.tensor([2.5])
+        else:  # meta-device init: to_empty leaves omega uninitialised (here: 2.5)
+            m.to("meta")
+            m.to_empty(device="cpu")
+            m.omega.data.fill_(2.5)  # what the memory holds; .data bumps no version
+    out = m(x, f)  # x * 2.5 + f, fused (one float32 rounding) or not (two)
+    assert ((out == (x.double() * 2.5 + f.double()).float()) | (out == x * 2.5 + f)).all()
+    assert not torch.equal(out, x + f)
+    with torch.no_grad():  # written back to 1 in place: correct, not known from the host
+        m.omega.fill_(1.0)
+    assert torch.equal(m(x, f), x + f)
+    assert _kernels(m, x, f)[0] == ["aten.addcmul.out"]
+    m.load_state_dict({"omega": torch.tensor([1.0])})  # known again
+    assert _kernels(m, x, f)[0] == ["aten.add.Tensor"]
 
 
 def test_float32_input_is_bitwise_the_seed_module():
@@ -204,23 +328,7 @@ def test_profiling_statistics_stay_float32_in_a_low_precision_model(tiny_data, d
 # position choice once (a Latin square; the full product runs forward/backward above)
 # --------------------------------------------------------------------------------------- #
 def _trainer(data, extra, precision):
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.trainer import Trainer
-
-    argv = [str(data), "--user-dir", USER_DIR, "--arch", "admin_transformer", "--cpu",
-            *TINY_MODEL, "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "400",
-            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--seed", "3", "--num-workers", "0", *map(str, extra)]
-    argv += {"fp16": ["--fp16", "--fp16-no-flatten-grads"], "bf16": ["--bf16"]}[precision]
-    args = options.parse_args_and_arch(options.get_training_parser(), argv)
-    args.tpu = False  # fairseq's --bf16 implies --tpu; run its bf16 path on the CPU
-    cfg = convert_namespace_to_omegaconf(args)
-    torch.manual_seed(3)
-    task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    criterion = task.build_criterion(cfg.criterion)
-    return Trainer(cfg, task, model, criterion)
+    return build_trainer(data, [*TINY_MODEL, *extra], precision=precision, seed=3)
 
 
 LATIN = [(precision, scheme, POS_CHOICES[(i + shift) % len(POS_CHOICES)])
@@ -259,6 +367,64 @@ def test_fairseq_trainer_every_scheme_and_position(tiny_data, scheme, pos, preci
     if pos == "scaled-sinusoidal":
         k = "encoder.embed_positions.embed.scaling"
         assert not torch.equal(after[k].float(), before[k])
+
+
+# Transformer-Clinic's fp16 flags (its WMT14 En-De commands), the recipe's precision path
+CLINIC_FP16 = ["--fp16-scale-window", "256", "--threshold-loss-scale", "0.03125"]
+
+
+def _master_tensors(optimizer):
+    """{id(model parameter): its float32 master tensor} of fairseq's FP16Optimizer: the flat
+    copy is laid out in the order of ``fp16_params`` (one device), the other one is a list."""
+    if optimizer.has_flat_params:
+        (flat,) = optimizer.fp32_params.values()
+        out, offset = {}, 0
+        for p in optimizer.fp16_params:
+            out[id(p)] = flat.data[offset: offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return out
+    return {id(p): p32.data for p, p32 in zip(optimizer.fp16_params, optimizer.fp32_params)}
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-flat", "bf16"])
+def test_master_copy_follows_profiled_trainable_omegas(tiny_data, tmp_path, monkeypatch, precision):
+    """--admin-init profile --admin-omega parameter under FP16Optimizer: the float32 master
+    copy is made before the first batch (omega = 1); profiling sets it to the exact profiled
+    values, so the first update moves each omega from its profiled value by at most Adam's
+    first step (lr), and the model's low-precision omega is that master rounded."""
+    from fairseq.optim import FP16Optimizer
+
+    from fairseq_admin_pos.models import admin_profile
+
+    if precision == "fp16-flat":
+        # fairseq puts the flat master copy on torch.cuda.current_device() and matches it to
+        # parameters by device index: None for both on the CPU
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    prof = tmp_path / "p.json"
+    flags = ["--admin-init", "profile", "--admin-omega", "parameter", "--admin-profile-path",
+             prof, "--lr", "3e-3", *(CLINIC_FP16 if precision != "bf16" else [])]
+    trainer = _trainer(tiny_data, flags, precision)
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, FP16Optimizer)
+    assert optimizer.has_flat_params == (precision == "fp16-flat")
+    model = trainer.get_model()
+    stacks = admin_profile.residual_stacks(model)
+    omegas = [m.omega for mods in stacks.values() for m in mods]
+    assert all(w.dtype == LOW[precision[:4]] for w in omegas)
+    masters = _master_tensors(optimizer)
+    assert all(bool(masters[id(w)].eq(1).all()) for w in omegas)  # copied at omega = 1
+
+    itr = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
+    trainer.train_step([next(itr)])
+    assert trainer.get_num_updates() == 1
+    profiled = json.loads(prof.read_text())["omegas"]
+    values = [v for stack in stacks for v in profiled[stack]]
+    assert max(values) > 1.1  # really profiled, not 1
+    for w, v in zip(omegas, values):
+        master = masters[id(w)]
+        assert master.dtype == torch.float32
+        assert (master - v).abs().max().item() <= 3e-3 * 1.001
+        assert torch.equal(w.data, master.to(w.dtype))
 
 
 # --------------------------------------------------------------------------------------- #

@@ -1,11 +1,21 @@
 """``--admin-init profile``: Admin's profiling initialisation (fairseq_admin_pos.profiling and
-models/admin_profile.py).
+models/admin_profile.py), in both modes.
 
-The omegas the model sets are checked against an independent computation: forward hooks on
-the attention/FFN/LayerNorm modules (not on the residual modules the implementation hooks),
-``numpy.var`` over the real-token positions and the ratio recurrence written out again here.
-End-to-end runs go through ``fairseq-train``/``fairseq-generate`` with ``--user-dir``.
+The omegas the model sets are checked against independent computations:
+
+* eval mode: forward hooks on the attention/FFN/LayerNorm modules (not on the residual
+  modules the implementation hooks), ``numpy.var`` over the real-token positions and the
+  ratio recurrence written out again here;
+* clinic mode: Transformer-Clinic's profiling pass written out again as a loop over the
+  layers (fairseq's sub-modules in training mode, the same RNG draws in the same order), each
+  omega applied by hand as the loop reaches it, ``numpy.var`` of ``x * omega`` and of the
+  dropped-out branch over the whole tensor, padding included; several "ranks" run in
+  lockstep, each with its own RNG stream, for the data-parallel check.
+
+End-to-end runs go through ``fairseq-train``/``fairseq-generate`` with ``--user-dir``, and
+``fairseq_cli.train.main`` in-process for the checks that must stop before training.
 """
+import copy
 import json
 import math
 import os
@@ -13,6 +23,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import numpy as np
 import pytest
@@ -26,8 +37,11 @@ from fairseq_cli_utils import (
     USER_DIR,
     env,
     generate,
+    hypotheses,
     load_model_state,
+    run,
     train,
+    train_losses,
 )
 
 from fairseq_admin_pos import profiling
@@ -35,10 +49,13 @@ from fairseq_admin_pos.admin import OmegaResidual
 from fairseq_admin_pos.models import admin_profile
 
 PROFILE = ["--admin-init", "profile"]
+EVAL = PROFILE + ["--admin-profile-mode", "eval"]
+CLINIC = PROFILE + ["--admin-profile-mode", "clinic"]
+DROPOUTS = ["--dropout", "0.3", "--attention-dropout", "0.1", "--activation-dropout", "0.1"]
 
 
 # --------------------------------------------------------------------------------------- #
-# helpers: an independent computation of the omegas
+# helpers: independent computations of the omegas
 # --------------------------------------------------------------------------------------- #
 def first_batches(task, n=1, max_tokens=200, seed=1):
     """The first n batches of epoch 1, batched like fairseq-train (multiple of 8 sentences)."""
@@ -55,9 +72,9 @@ def first_batches(task, n=1, max_tokens=200, seed=1):
 
 
 def reference_omegas(model, net_inputs, include_padding=False):
-    """Shortcuts and branches captured from the sub-modules *around* each residual call
-    (layer inputs, attention/fc2 outputs, LayerNorm outputs), variances with numpy (float64,
-    ddof=0, over real-token positions unless include_padding), recurrence
+    """Eval mode. Shortcuts and branches captured from the sub-modules *around* each
+    residual call (layer inputs, attention/fc2 outputs, LayerNorm outputs), variances with
+    numpy (float64, ddof=0, over real-token positions unless include_padding), recurrence
     ratio_1 = 1, omega_i = ratio_i, ratio_{i+1} = sqrt(omega_i^2 Var[x] + Var[f])."""
     captured = {"encoder": [], "decoder": []}
     handles = []
@@ -127,6 +144,97 @@ def reference_omegas(model, net_inputs, include_padding=False):
     return omegas
 
 
+def clinic_layers(model, n):
+    """Transformer-Clinic's profiling forward (its ``transformer_layer.py``), written out:
+    fairseq's sub-modules called in the order and with the arguments of the model's own
+    forward (so the dropout draws are the same), a generator that yields ``(stack, x, f)``
+    at every residual sub-layer - ``x`` the shortcut, ``f`` the dropped-out branch output,
+    ``(T, B, C)`` - and takes back the omega that the sub-layer applies:
+    ``LN(x * omega + f)``. The model must be in training mode."""
+    enc, dec = model.encoder, model.decoder
+    src, prev = n["src_tokens"], n["prev_output_tokens"]
+    pad = src.eq(enc.padding_idx)
+    x, _ = enc.forward_embedding(src)
+    x = (x * (1 - pad.unsqueeze(-1).type_as(x))).transpose(0, 1)
+    src_pad = pad if pad.any() else None
+    for layer in enc.layers:
+        f, _ = layer.self_attn(query=x, key=x, value=x, key_padding_mask=src_pad,
+                               need_weights=False, attn_mask=None)
+        f = layer.dropout_module(f)
+        omega = yield "encoder", x, f
+        x = layer.self_attn_layer_norm(x * omega + f)
+        f = layer.fc2(layer.activation_dropout_module(layer.activation_fn(layer.fc1(x))))
+        f = layer.dropout_module(f)
+        omega = yield "encoder", x, f
+        x = layer.final_layer_norm(x * omega + f)
+    enc_out = x
+    y = dec.embed_scale * dec.embed_tokens(prev) + dec.embed_positions(prev)
+    y = dec.dropout_module(y).transpose(0, 1)
+    tgt_pad = prev.eq(dec.padding_idx)
+    tgt_pad = tgt_pad if tgt_pad.any() else None
+    last = len(dec.layers) - 1
+    for i, layer in enumerate(dec.layers):
+        f, _ = layer.self_attn(query=y, key=y, value=y, key_padding_mask=tgt_pad,
+                               incremental_state=None, need_weights=False,
+                               attn_mask=dec.buffered_future_mask(y))
+        f = layer.dropout_module(f)
+        omega = yield "decoder", y, f
+        y = layer.self_attn_layer_norm(y * omega + f)
+        f, _ = layer.encoder_attn(query=y, key=enc_out, value=enc_out, key_padding_mask=src_pad,
+                                  incremental_state=None, static_kv=True,
+                                  need_weights=i == last, need_head_weights=i == last)
+        f = layer.dropout_module(f)
+        omega = yield "decoder", y, f
+        y = layer.encoder_attn_layer_norm(y * omega + f)
+        f = layer.fc2(layer.activation_dropout_module(layer.activation_fn(layer.fc1(y))))
+        f = layer.dropout_module(f)
+        omega = yield "decoder", y, f
+        y = layer.final_layer_norm(y * omega + f)
+
+
+def clinic_reference(model, net_inputs, seeds):
+    """Clinic's in-pass omegas. Each batch is one "rank" with its own RNG stream seeded with
+    its seed; the ranks run in lockstep, and at each sub-layer ``omega = ratio`` and
+    ``ratio = sqrt(np.var(x * omega) + np.var(f))`` over all ranks' flattened tensors
+    (padding included). One batch and one seed: Clinic's single-GPU profiling run."""
+    was_training = model.training
+    model.train()
+    outer = torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            states, gens = [], []
+            for n, seed in zip(net_inputs, seeds):
+                torch.manual_seed(seed)
+                states.append(torch.get_rng_state())
+                gens.append(clinic_layers(model, n))
+
+            def step(r, value):
+                torch.set_rng_state(states[r])
+                try:
+                    item = next(gens[r]) if value is None else gens[r].send(value)
+                except StopIteration:
+                    item = None
+                states[r] = torch.get_rng_state()
+                return item
+
+            ratio = {"encoder": 1.0, "decoder": 1.0}
+            omegas = {"encoder": [], "decoder": []}
+            items = [step(r, None) for r in range(len(gens))]
+            while items[0] is not None:
+                stack = items[0][0]
+                assert all(it[0] == stack for it in items)
+                omega = ratio[stack]
+                xs = np.concatenate([(x * omega).double().numpy().reshape(-1) for _, x, _ in items])
+                fs = np.concatenate([f.double().numpy().reshape(-1) for _, _, f in items])
+                ratio[stack] = math.sqrt(np.var(xs) + np.var(fs))
+                omegas[stack].append(omega)
+                items = [step(r, omega) for r in range(len(gens))]
+    finally:
+        torch.set_rng_state(outer)
+        model.train(was_training)
+    return omegas
+
+
 def model_omegas(model):
     return {k: profiling.get_omegas(v) for k, v in admin_profile.residual_stacks(model).items()}
 
@@ -192,23 +300,66 @@ def test_profiler_moments_match_numpy(include_padding):
     assert all(float(r.omega) == 1.0 for r in res)
 
 
-def test_profiling_module_imports_no_fairseq():
-    code = ("import importlib.util, sys;"
-            f"spec = importlib.util.spec_from_file_location('p', {os.path.join(REPO, 'fairseq_admin_pos', 'profiling.py')!r});"
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m);"
-            "print(any(k == 'fairseq' or k.startswith('fairseq.') for k in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env=env())
-    assert out.stdout.strip() == "False"
+def _toy_stack(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = [torch.nn.Linear(8, 8) for _ in range(3)]
+    res = [OmegaResidual(1.0) for _ in range(3)]
+    drop = torch.nn.Dropout(0.3)
+    ln = torch.nn.LayerNorm(8)
+    x0 = torch.randn(5, 4, 8, generator=g) * 3 + 1
+    return torch.nn.ModuleList(lin + res + [drop, ln]), lin, res, drop, ln, x0
+
+
+def test_in_pass_profiler_applies_each_omega_as_the_pass_reaches_it():
+    """A toy Post-LN stack with dropout, in training mode: Clinic's loop written out (omega
+    applied by hand, np.var of x * omega and of the dropped-out f over the whole tensor)."""
+    root, lin, res, drop, ln, x0 = _toy_stack()
+
+    def run():
+        x = x0
+        for l, r in zip(lin, res):
+            x = ln(r(x, drop(l(x))))
+
+    torch.manual_seed(3)
+    om, _ = profiling.measure_omegas(root, {"s": res}, [({}, run)], mode="clinic")
+    assert all(float(r.omega) == 1.0 for r in res)  # the pass leaves the model's omegas
+    torch.manual_seed(3)
+    with torch.no_grad():
+        x, ratio, expected = x0, 1.0, []
+        for l in lin:
+            f = drop(l(x))
+            expected.append(ratio)
+            xo = x * ratio
+            ratio = math.sqrt(np.var(xo.double().numpy()) + np.var(f.double().numpy()))
+            x = ln(xo + f)
+    assert om["s"] == pytest.approx(expected, rel=1e-6)
+    assert om["s"][1] > 1.0 and om["s"][2] > om["s"][1]
+
+
+def test_in_pass_profiler_takes_exactly_one_pass_with_padding():
+    root, lin, res, drop, ln, x0 = _toy_stack()
+
+    def run():
+        x = x0
+        for l, r in zip(lin, res):
+            x = ln(r(x, drop(l(x))))
+
+    with pytest.raises(ValueError, match="more than one batch"):
+        profiling.measure_omegas(root, {"s": res}, [({}, run), ({}, run)], mode="clinic")
+    with pytest.raises(ValueError, match="counts padding"):
+        profiling.measure_omegas(root, {"s": res}, [({}, run)], mode="clinic",
+                                 include_padding=False)
+    with pytest.raises(RuntimeError, match="reached 0 of the 3"):  # a pass that misses them
+        profiling.measure_omegas(root, {"s": res}, [({}, lambda: None)], mode="clinic")
 
 
 # --------------------------------------------------------------------------------------- #
-# the model: trigger, independent check, determinism, precision, wrappers
+# the model: trigger, independent checks, determinism, precision, wrappers
 # --------------------------------------------------------------------------------------- #
 @pytest.mark.parametrize("omega_form", ["buffer", "parameter"])
 @pytest.mark.parametrize("include_padding", [False, True])
-def test_first_training_forward_sets_reference_omegas(tiny_data, omega_form, include_padding):
-    extra = SMALL + PROFILE + ["--admin-omega", omega_form, "--dropout", "0.3"]
+def test_eval_mode_sets_reference_omegas(tiny_data, omega_form, include_padding):
+    extra = SMALL + EVAL + ["--admin-omega", omega_form, "--dropout", "0.3"]
     if include_padding:
         extra.append("--admin-profile-include-padding")
     model, task, _ = model_utils.build(tiny_data, "admin_transformer", extra, seed=4)
@@ -237,8 +388,48 @@ def test_first_training_forward_sets_reference_omegas(tiny_data, omega_form, inc
     assert model_omegas(model) == before
 
 
+@pytest.mark.parametrize("omega_form", ["buffer", "parameter"])
+def test_clinic_mode_is_clinics_in_pass_recurrence_with_the_same_dropout_masks(tiny_data, omega_form):
+    extra = SMALL + CLINIC + DROPOUTS + ["--admin-omega", omega_form]
+    model, task, _ = model_utils.build(tiny_data, "admin_transformer", extra, seed=4)
+    (n,) = first_batches(task)
+    assert bool((n["src_tokens"] == task.source_dictionary.pad()).any())  # padding present
+    expected = clinic_reference(model, [n], seeds=[21])
+    eval_omegas, _ = admin_profile.measure(model, [n], mode="eval")
+
+    torch.manual_seed(21)
+    model.train()
+    out = model(**n)[0]  # profiles (forked RNG: the masks of this very forward), then trains
+    got = model_omegas(model)
+    assert_close(got, expected, 1e-6)
+    assert int(model.admin_profiled) == 1
+    # dropout inflates Var[f] and the in-pass omegas compound: clinic > eval, sub-layer 2 on
+    assert all(c > e for k in got for c, e in zip(got[k][1:], eval_omegas[k][1:]))
+    # the training forward after profiling drew the masks it would have drawn without it
+    torch.manual_seed(21)
+    assert torch.equal(model(**n)[0], out)
+
+
+def test_without_dropout_and_padding_clinic_differs_from_eval_by_the_in_pass_omegas(tiny_data):
+    """Without dropout and without padding the clinic pass still differs from eval mode only
+    through the in-pass omegas; with one sub-layer per stack that difference vanishes."""
+    extra = SMALL[:-4] + ["--encoder-layers", "1", "--decoder-layers", "1", "--dropout", "0",
+                          "--attention-dropout", "0", "--activation-dropout", "0"]
+    model, task, _ = model_utils.build(tiny_data, "admin_transformer", extra + PROFILE, seed=4)
+    src, lengths, prev = model_utils.sample_batch(task, bsz=4, src_len=6, tgt_len=5)
+    n = {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev}
+    clinic, _ = admin_profile.measure(model, [n], mode="clinic")
+    eval_, _ = admin_profile.measure(model, [n], mode="eval", include_padding=True)
+    # encoder: 2 sub-layers; omega_2 depends only on sub-layer 1's statistics (omega_1 = 1)
+    assert clinic["encoder"] == pytest.approx(eval_["encoder"], rel=1e-12)
+    # decoder: omega_3 sees omega_2 in clinic mode (in-pass) but omega = 1 in eval mode
+    assert clinic["decoder"][:2] == pytest.approx(eval_["decoder"][:2], rel=1e-12)
+    assert clinic["decoder"][2] != pytest.approx(eval_["decoder"][2], rel=1e-6)
+    assert clinic["decoder"] == pytest.approx(clinic_reference(model, [n], [0])["decoder"], rel=1e-6)
+
+
 def test_padding_choice_changes_the_omegas(tiny_data):
-    model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + PROFILE, seed=4)
+    model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + EVAL, seed=4)
     (n,) = first_batches(task)
     excl, _ = admin_profile.measure(model, [n], include_padding=False)
     incl, _ = admin_profile.measure(model, [n], include_padding=True)
@@ -246,7 +437,7 @@ def test_padding_choice_changes_the_omegas(tiny_data):
 
 
 def test_statistics_add_exactly_over_batches(tiny_data):
-    model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + PROFILE, seed=4)
+    model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + EVAL, seed=4)
     b1, b2 = first_batches(task, 2)
     _, m1 = admin_profile.measure(model, [b1])
     _, m2 = admin_profile.measure(model, [b2])
@@ -256,10 +447,13 @@ def test_statistics_add_exactly_over_batches(tiny_data):
     assert_close(om12, reference_omegas(model, [b1, b2]), 1e-5)
 
 
-def test_deterministic_same_seed_same_data(tiny_data):
+@pytest.mark.parametrize("mode", ["clinic", "eval"])
+def test_deterministic_same_seed_same_data(tiny_data, mode):
     runs = []
     for seed in (7, 7, 8):
-        model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + PROFILE, seed=seed)
+        model, task, _ = model_utils.build(
+            tiny_data, "admin_transformer",
+            SMALL + PROFILE + ["--admin-profile-mode", mode], seed=seed)
         model.train()
         model(**first_batches(task)[0])
         runs.append(model_omegas(model))
@@ -268,7 +462,7 @@ def test_deterministic_same_seed_same_data(tiny_data):
 
 
 def test_bfloat16_model_stats_in_float32(tiny_data):
-    model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + PROFILE, seed=4)
+    model, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + EVAL, seed=4)
     (n,) = first_batches(task)
     ref32, _ = admin_profile.measure(model, [n])
     model = model.to(torch.bfloat16)
@@ -285,13 +479,16 @@ def test_bfloat16_model_stats_in_float32(tiny_data):
     assert_close(model_omegas(model), om16, 1e-2)
 
 
-def test_checkpoint_activations_wrapper_is_profiled_too(tiny_data):
-    plain, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + PROFILE, seed=4)
+@pytest.mark.parametrize("mode", ["clinic", "eval"])
+def test_checkpoint_activations_wrapper_is_profiled_too(tiny_data, mode):
+    extra = SMALL + PROFILE + ["--admin-profile-mode", mode]
+    plain, task, _ = model_utils.build(tiny_data, "admin_transformer", extra, seed=4)
     ckpt, _, _ = model_utils.build(tiny_data, "admin_transformer",
-                                   SMALL + PROFILE + ["--checkpoint-activations"], seed=4)
+                                   extra + ["--checkpoint-activations"], seed=4)
     assert hasattr(ckpt.encoder.layers[0], "precheckpoint_forward")
     (n,) = first_batches(task)
     for m in (plain, ckpt):
+        torch.manual_seed(5)
         m.train()
         m(**n)
     assert_close(model_omegas(ckpt), model_omegas(plain), 1e-6)
@@ -305,38 +502,63 @@ def test_eval_forward_never_profiles(tiny_data):
 
 
 # --------------------------------------------------------------------------------------- #
-# flags and precision checks
+# flags, layer counts, the mode in the checkpoint
 # --------------------------------------------------------------------------------------- #
 @pytest.mark.parametrize("extra, message", [
-    (["--admin-init", "profile", "--admin-profile-batches", "0"], "--admin-profile-batches"),
+    (PROFILE + ["--admin-profile-batches", "0"], "--admin-profile-batches"),
     (["--admin-init", "closed-form", "--admin-profile-path", "x.json"], "--admin-profile-path"),
     (["--admin-init", "none", "--admin-profile-include-padding"], "--admin-profile-include-padding"),
+    (["--admin-init", "closed-form", "--admin-profile-mode", "eval"], "--admin-profile-mode"),
+    (PROFILE + ["--admin-profile-batches", "2"], "--admin-profile-mode eval"),
+    (CLINIC + ["--admin-profile-batches", "2"], "--admin-profile-batches 2 cannot be combined"),
+    (PROFILE + ["--store-ema"], "--store-ema"),
+    (PROFILE + ["--decoder-layers", "0"], "--decoder-layers 0"),
+    (["--decoder-layers", "-2"], "--decoder-layers must be a non-negative integer"),
+    (["--encoder-layers", "-1", "--admin-init", "none"], "--encoder-layers must be a non-negative"),
+    (["--admin-residual", "deepnorm", "--encoder-layers", "0"], "--encoder-layers 0 cannot be"),
 ])
 def test_bad_flags_name_the_flag(tiny_data, extra, message):
     with pytest.raises(ValueError, match=message):
-        model_utils.build(tiny_data, "admin_transformer", SMALL + extra)
+        model_utils.build(tiny_data, "admin_transformer", SMALL[:-4] + extra)
 
 
-@pytest.mark.parametrize("flags, ok", [
-    ({"fp16": True}, False), ({"bf16": True}, False),
-    ({"fp16": True, "memory_efficient_fp16": True}, True), ({"fp16": True, "amp": True}, True),
-    ({}, True),
-])
-def test_fp16_master_copy_with_trainable_omega_is_refused(tiny_data, flags, ok):
-    model, _, args = model_utils.build(tiny_data, "admin_transformer",
-                                       SMALL + PROFILE + ["--admin-omega", "parameter"])
-    for k, v in flags.items():
-        setattr(args, k, v)
-    ctrl = admin_profile.ProfileController(args, None)
-    if ok:
-        ctrl._check_precision()
-    else:
-        with pytest.raises(ValueError, match="FP16Optimizer"):
-            ctrl._check_precision()
+@pytest.mark.parametrize("side", ["encoder", "decoder"])
+def test_zero_layers_is_fairseqs_embedding_only_stack(tiny_data, side):
+    model, task, _ = model_utils.build(
+        tiny_data, "admin_transformer", SMALL[:-4] + [f"--{side}-layers", "0"])
+    assert len(getattr(model, side).layers) == 0
+    src, lengths, prev = model_utils.sample_batch(task)
+    assert torch.isfinite(model(src, lengths, prev)[0]).all()
+
+
+def test_clinic_mode_with_padding_flag_counts_padding(tiny_data):
+    # the clinic mode always counts padding: the flag agrees with it and changes nothing
+    base, task, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + CLINIC, seed=4)
+    flagged, _, _ = model_utils.build(tiny_data, "admin_transformer",
+                                      SMALL + CLINIC + ["--admin-profile-include-padding"], seed=4)
+    assert flagged.admin_profile.include_padding and base.admin_profile.include_padding
+    (n,) = first_batches(task)
+    for m in (base, flagged):
+        torch.manual_seed(1)
+        m.train()
+        m(**n)
+    assert model_omegas(base) == model_omegas(flagged)
+
+
+def test_mode_is_stored_in_the_checkpoint_and_checked_on_load(tiny_data):
+    clinic, _, args = model_utils.build(tiny_data, "admin_transformer", SMALL + PROFILE)
+    assert args.admin_profile_mode == "clinic"  # the default, recorded in the saved config
+    state = clinic.state_dict()
+    assert state["_extra_state"]["admin_profile_mode"] == "clinic"
+    other, _, _ = model_utils.build(tiny_data, "admin_transformer", SMALL + EVAL)
+    with pytest.raises(ValueError, match="--admin-profile-mode: checkpoint 'clinic', flags 'eval'"):
+        other.load_state_dict(state)
+    closed, _, _ = model_utils.build(tiny_data, "admin_transformer", SMALL)
+    assert closed.state_dict()["_extra_state"]["admin_profile_mode"] is None
 
 
 # --------------------------------------------------------------------------------------- #
-# profile files
+# profile files: format, mode and settings, checked when the model is built
 # --------------------------------------------------------------------------------------- #
 def test_json_round_trip_is_atomic(tmp_path):
     omegas = {"encoder": [1.0, 1.25, 1.5, 1.7], "decoder": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]}
@@ -348,24 +570,113 @@ def test_json_round_trip_is_atomic(tmp_path):
     got, settings, kind = profiling.load_profile(str(path))
     assert kind == "json" and got == omegas and settings == {"encoder_layers": 2, "seed": 3}
     data = json.loads(path.read_text())
+    assert data["version"] == 2
     assert data["variances"]["encoder"]["shortcut_variance"][0] == pytest.approx(1.2 - 0.01)
     assert data["variances"]["encoder"]["branch_variance"][0] == pytest.approx(0.3)
 
 
-CLINIC = "1 1.0\n2 1.5\n3 1.75\n4 2.0\n1 1.0\n2 1.25\n3 1.5\n4 1.625\n5 1.75\n6 2.25\n"
+@pytest.mark.parametrize("mode", ["clinic", "eval"])
+def test_profile_file_records_the_mode_and_is_read_back(tiny_data, tmp_path, mode):
+    path = tmp_path / "p.json"
+    extra = SMALL + PROFILE + ["--admin-profile-mode", mode, "--admin-profile-path", path]
+    model, task, _ = model_utils.build(tiny_data, "admin_transformer", extra, seed=4)
+    model.train()
+    model(**first_batches(task)[0])
+    data = json.loads(path.read_text())
+    s = data["settings"]
+    assert s["admin_profile_mode"] == mode
+    assert s["admin_profile_include_padding"] == (mode == "clinic")
+    assert s["encoder_embed_dim"] == 16 and s["decoder_layers"] == 2 and s["dropout"] == 0.1
+    assert_close(data["omegas"], model_omegas(model), 1e-6)
+    # a new model with the same flags accepts the file and reads it
+    again, task, _ = model_utils.build(tiny_data, "admin_transformer", extra, seed=9)
+    again.train()
+    again(**first_batches(task)[0])
+    assert_close(model_omegas(again), data["omegas"], 1e-6)
+
+
+def _profile_file(tmp_path, omegas=None, **settings):
+    path = tmp_path / "p.json"
+    omegas = omegas or {"encoder": [1.0, 1.5, 1.7, 1.9], "decoder": [1.0, 1.2, 1.3, 1.4, 1.5, 1.6]}
+    profiling.save_profile(str(path), omegas, settings)
+    return path
+
+
+CLINIC_FILE = "1 1.0\n2 1.5\n3 1.75\n4 2.0\n1 1.0\n2 1.25\n3 1.5\n4 1.625\n5 1.75\n6 2.25\n"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("count", "has 4 encoder and 6 decoder omegas but the model has 6 encoder (3 layers) "
+              "and 6 decoder (2 layers)"),
+    ("nan", "encoder omega 2 is nan"),
+    ("negative", "decoder omega 3 is -1.3"),
+    ("zero", "encoder omega 1 is 0"),
+    ("width", "--encoder-embed-dim: file 999, flags 16"),
+    ("mode", "--admin-profile-mode: file 'eval', flags 'clinic'"),
+    ("padding", "--admin-profile-include-padding: file False, flags True"),
+    ("dropout", "--dropout: file 0.3, flags 0.1"),
+    ("version1", "--admin-profile-mode: file 'eval', flags 'clinic'"),
+    ("clinic-in-eval", "use it with --admin-profile-mode clinic"),
+])
+def test_profile_file_problems_are_errors_when_the_model_is_built(tiny_data, tmp_path, case, message):
+    enc3 = ["--encoder-layers", "3"] if case == "count" else []
+    mode = ["--admin-profile-mode", "eval"] if case == "clinic-in-eval" else []
+    enc, dec = [1.0, 1.5, 1.7, 1.9], [1.0, 1.2, 1.3, 1.4, 1.5, 1.6]
+    if case == "nan":
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({"format": profiling.PROFILE_FORMAT, "version": 2,
+                                    "omegas": {"encoder": [1.0, float("nan"), 1.2, 1.3],
+                                               "decoder": dec}}))
+    elif case in ("negative", "zero"):
+        bad = {"negative": {"decoder": [1.0, 1.2, -1.3, 1.4, 1.5, 1.6], "encoder": enc},
+               "zero": {"encoder": [0, 1.5, 1.7, 1.9], "decoder": dec}}[case]
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({"format": profiling.PROFILE_FORMAT, "version": 2,
+                                    "omegas": bad}))
+    elif case == "version1":
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps({"format": profiling.PROFILE_FORMAT, "version": 1,
+                                    "omegas": {"encoder": enc, "decoder": dec},
+                                    "settings": {"encoder_layers": 2, "include_padding": False}}))
+    elif case == "clinic-in-eval":
+        path = tmp_path / "profile.ratio.init"
+        path.write_text(CLINIC_FILE)
+    else:
+        settings = {"count": {}, "width": {"encoder_embed_dim": 999},
+                    "mode": {"admin_profile_mode": "eval"},
+                    "padding": {"admin_profile_include_padding": False},
+                    "dropout": {"dropout": 0.3}}[case]
+        path = _profile_file(tmp_path, **settings)
+    extra = SMALL + enc3 + PROFILE + mode + ["--admin-profile-path", path]
+    with pytest.raises(profiling.ProfileFileError) as e:
+        model_utils.build(tiny_data, "admin_transformer", extra)
+    assert str(path) in str(e.value)
+    assert message in str(e.value)
+
+
+def test_settings_mismatch_lists_every_difference(tiny_data, tmp_path):
+    path = _profile_file(tmp_path, encoder_embed_dim=999, decoder_layers=2,
+                         admin_profile_mode="eval", encoder_pos_emb="learned", seed=123)
+    with pytest.raises(profiling.ProfileFileError) as e:
+        model_utils.build(tiny_data, "admin_transformer",
+                          SMALL + PROFILE + ["--admin-profile-path", path])
+    msg = str(e.value)
+    assert ("(--encoder-embed-dim: file 999, flags 16; --encoder-pos-emb: file 'learned', "
+            "flags 'sinusoidal'; --admin-profile-mode: file 'eval', flags 'clinic')") in msg
+    assert "seed" not in msg and "--decoder-layers" not in msg  # the sample; equal values
 
 
 def test_clinic_profile_ratio_init_is_read_by_the_model(tiny_data, tmp_path):
     path = tmp_path / "profile.ratio.init"
-    path.write_text(CLINIC)
+    path.write_text(CLINIC_FILE)
     model, task, _ = model_utils.build(
-        tiny_data, "admin_transformer", SMALL + PROFILE + ["--admin-profile-path", path], seed=4)
+        tiny_data, "admin_transformer", SMALL + CLINIC + ["--admin-profile-path", path], seed=4)
     model.train()
     model(**first_batches(task)[0])
     assert model_omegas(model) == {"encoder": [1.0, 1.5, 1.75, 2.0],
                                    "decoder": [1.0, 1.25, 1.5, 1.625, 1.75, 2.25]}
     assert int(model.admin_profiled) == 1
-    assert path.read_text() == CLINIC  # read, never rewritten
+    assert path.read_text() == CLINIC_FILE  # read, never rewritten
 
 
 @pytest.mark.parametrize("text, message", [
@@ -382,24 +693,118 @@ def test_clinic_format_errors(tmp_path, text, message):
     assert str(path) in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["json", "clinic"])
-def test_mismatched_layer_counts_error_names_file_and_counts(tiny_data, tmp_path, kind):
-    path = tmp_path / ("p.json" if kind == "json" else "profile.ratio.init")
-    if kind == "json":
-        profiling.save_profile(str(path), {"encoder": [1.0, 1.5, 1.7, 1.9],
-                                           "decoder": [1.0, 1.2, 1.3, 1.4, 1.5, 1.6]}, {})
-    else:
-        path.write_text(CLINIC)
-    extra = SMALL[:-4] + ["--encoder-layers", "3", "--decoder-layers", "2"]
-    model, task, _ = model_utils.build(
-        tiny_data, "admin_transformer", extra + PROFILE + ["--admin-profile-path", path])
-    model.train()
-    with pytest.raises(profiling.ProfileFileError) as e:
-        model(**first_batches(task)[0])
-    msg = str(e.value)
-    assert str(path) in msg
-    assert "4 encoder and 6 decoder omegas" in msg
-    assert "6 encoder (3 layers) and 6 decoder (2 layers)" in msg
+# --------------------------------------------------------------------------------------- #
+# fairseq's Trainer: the trigger before the first train_step, K batches from its iterator
+# --------------------------------------------------------------------------------------- #
+def test_k_batches_are_the_first_k_the_trainer_trains_on_without_a_new_sampler(tiny_data, monkeypatch):
+    from fairseq.data import data_utils
+
+    calls = []
+    batch_by_size = data_utils.batch_by_size
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return batch_by_size(*args, **kwargs)
+
+    monkeypatch.setattr(data_utils, "batch_by_size", counting)
+    # batches on the device while the next one is made: the profiling pass consumes them one
+    # at a time (the previous one is still referenced by the loop at that moment)
+    made, alive_at_creation = [], []
+    net_input = admin_profile._net_input
+
+    def tracking(sample, device):
+        alive_at_creation.append(sum(r() is not None for r in made))
+        out = net_input(sample, device)
+        made.append(weakref.ref(out["src_tokens"]))
+        return out
+
+    monkeypatch.setattr(admin_profile, "_net_input", tracking)
+    trainer = model_utils.build_trainer(
+        tiny_data, SMALL + EVAL + ["--admin-profile-batches", "3", "--max-tokens", "200"])
+    initial = copy.deepcopy(trainer.get_model())  # omega = 1: the weights profiling sees
+    itr = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
+    trained = []
+    for _, sample in zip(range(3), itr):
+        trained.append(sample["net_input"])
+        trainer.train_step([sample])
+    assert len(calls) == 1  # the trainer's own batching; profiling reused its batches
+    assert len(made) == 3 and max(alive_at_creation) <= 1
+    assert trainer.get_num_updates() == 3
+    # buffer omegas do not train: they are still the profiled ones
+    assert_close(model_omegas(trainer.get_model()), reference_omegas(initial, trained), 1e-5)
+    # and they are not the omegas of the first batch alone
+    one = reference_omegas(initial, trained[:1])
+    assert abs(one["encoder"][1] - model_omegas(trainer.get_model())["encoder"][1]) > 1e-4
+
+
+def _fairseq_train_in_process(argv):
+    """``fairseq-train`` as its console script runs it, in this process."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.distributed import utils as distributed_utils
+    from fairseq.logging import metrics
+    from fairseq_cli import train as train_cli
+
+    args = options.parse_args_and_arch(options.get_training_parser(), list(map(str, argv)))
+    try:
+        distributed_utils.call_main(convert_namespace_to_omegaconf(args), train_cli.main)
+    finally:
+        metrics.reset()  # an aggregator left open by the exception must not leak into others
+
+
+def _crash_files(root):
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f == "crash.pt"]
+
+
+@pytest.mark.parametrize("case, error, message", [
+    ("nan omega", profiling.ProfileFileError, "encoder omega 2 is nan"),
+    ("other width", profiling.ProfileFileError, "--encoder-embed-dim: file 999, flags 32"),
+    ("omega count", profiling.ProfileFileError, "has 2 encoder and 6 decoder omegas"),
+    ("negative layers", ValueError, "--decoder-layers must be a non-negative integer; got -2"),
+    ("fails while profiling", RuntimeError, "profiling failed here"),
+])
+def test_fairseq_train_stops_before_training_and_leaves_no_crash_pt(
+        tiny_data, tmp_path, monkeypatch, case, error, message):
+    monkeypatch.chdir(tmp_path)  # fairseq's default --save-dir is ./checkpoints
+    path = tmp_path / "p.json"
+    enc, dec = [1.0, 1.5, 1.7, 1.9], [1.0, 1.2, 1.3, 1.4, 1.5, 1.6]
+    omegas = {"nan omega": {"encoder": [1.0, float("nan"), 1.2, 1.3], "decoder": dec},
+              "omega count": {"encoder": enc[:2], "decoder": dec}}.get(case, {"encoder": enc,
+                                                                            "decoder": dec})
+    path.write_text(json.dumps({"format": profiling.PROFILE_FORMAT, "version": 2, "omegas": omegas,
+                                "settings": {"encoder_embed_dim": 999} if case == "other width" else {}}))
+    extra = ["--decoder-layers", "-2"] if case == "negative layers" else []
+    if case == "fails while profiling":
+        os.unlink(path)
+
+        def broken(*a, **k):
+            raise RuntimeError("profiling failed here")
+
+        monkeypatch.setattr(profiling, "measure_omegas", broken)
+    with pytest.raises(error, match=message):
+        _fairseq_train_in_process([
+            tiny_data, "--user-dir", USER_DIR, "--arch", "admin_transformer", *TRAIN_COMMON,
+            *TINY_MODEL, *extra, *PROFILE, "--admin-profile-path", path, "--no-save",
+            "--max-update", "2"])
+    assert _crash_files(tmp_path) == []
+
+
+def test_fairseq_train_bad_profile_exit_code_and_message(tiny_data, tmp_path):
+    """The command line as a user runs it: a NaN omega is reported and the process exits
+    with status 1 (not fairseq's crash handler, not an abort), leaving no crash.pt."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": profiling.PROFILE_FORMAT, "version": 2,
+                                "omegas": {"encoder": [1.0, float("nan"), 1.2, 1.3],
+                                           "decoder": [1.0] * 6}}))
+    proc = run("fairseq_cli.train", [
+        tiny_data, "--user-dir", USER_DIR, "--arch", "admin_transformer", *TRAIN_COMMON,
+        *TINY_MODEL, *PROFILE, "--admin-profile-path", path, "--no-save", "--max-update", "2"],
+        cwd=tmp_path, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log[-3000:]
+    assert "encoder omega 2 is nan" in proc.stderr
+    assert "train_inner" not in log and "terminate called" not in log
+    assert _crash_files(tmp_path) == []
 
 
 # --------------------------------------------------------------------------------------- #
@@ -418,10 +823,12 @@ _RANK_SCRIPT = textwrap.dedent("""
     model, task, _ = model_utils.build({data!r}, "admin_transformer", {extra!r}, seed=5)
     task.load_dataset("train")
     itr = task.get_batch_iterator(task.dataset("train"), max_tokens=200, seed=1,
+                                  required_batch_size_multiple=8,
                                   disable_iterator_cache=True).next_epoch_itr(shuffle=True)
-    batches = [s["net_input"] for _, s in zip(range(2), itr)]
+    batches = [s["net_input"] for _, s in zip(range(2), itr)]  # = first_batches(task, 2)
     model.train()
     if world > 1:
+        torch.manual_seed(11)           # the same seed on every rank, as fairseq seeds them
         model(**batches[rank])          # the trigger: each rank profiles its own batch
     else:
         om, _ = admin_profile.measure(model, batches)   # one process sees both batches
@@ -431,10 +838,15 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_gloo_ranks_get_identical_omegas_equal_to_one_process(tiny_data, tmp_path):
+@pytest.mark.parametrize("mode", ["clinic", "eval"])
+def test_gloo_ranks_get_identical_omegas_equal_to_the_reference(tiny_data, tmp_path, mode):
+    """eval: 2 ranks x 1 batch == 1 process x 2 batches. clinic: the moments of every
+    sub-layer summed over the ranks inside the pass == Clinic's recurrence over both ranks'
+    tensors, run in lockstep with each rank's own dropout masks."""
+    extra = SMALL + PROFILE + ["--admin-profile-mode", mode]
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT.format(tests=str(REPO / "tests"), data=str(tiny_data),
-                                          extra=SMALL + PROFILE))
+                                          extra=extra))
     e = env()
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     port = str(free_port())
@@ -444,12 +856,17 @@ def test_gloo_ranks_get_identical_omegas_equal_to_one_process(tiny_data, tmp_pat
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
-    subprocess.run([sys.executable, str(script), "0", "1", port, str(tmp_path / "single.json")],
-                   env=e, check=True, capture_output=True)
-    r0, r1, single = (json.loads((tmp_path / f).read_text()) for f in ("r0.json", "r1.json", "single.json"))
+    r0, r1 = (json.loads((tmp_path / f).read_text()) for f in ("r0.json", "r1.json"))
     assert r0 == r1  # bitwise identical on both ranks
-    assert_close(r0, single, 1e-9)
     assert r0["encoder"][1] != 1.0
+    if mode == "eval":
+        subprocess.run([sys.executable, str(script), "0", "1", port, str(tmp_path / "one.json")],
+                       env=e, check=True, capture_output=True)
+        assert_close(r0, json.loads((tmp_path / "one.json").read_text()), 1e-9)
+    else:
+        model, task, _ = model_utils.build(tiny_data, "admin_transformer", extra, seed=5)
+        batches = first_batches(task, 2, max_tokens=200, seed=1)
+        assert_close(r0, clinic_reference(model, batches, seeds=[11, 11]), 1e-6)
 
 
 def _omegas_from_state(state):
@@ -465,9 +882,9 @@ def _omegas_from_state(state):
 
 @pytest.mark.slow
 def test_fairseq_train_two_ranks_equal_one_process_two_batches(tiny_data, tmp_path):
-    """2 ranks x 1 batch (gloo) == 1 process x 2 batches: the same two batches (fairseq
-    shuffles the batch list with the seed, then shards it), the statistics summed."""
-    common = [*TINY_MODEL, "--admin-init", "profile", "--max-tokens", "200"]
+    """Eval mode, 2 ranks x 1 batch (gloo) == 1 process x 2 batches: the same two batches
+    (fairseq shuffles the batch list with the seed, then shards it), the statistics summed."""
+    common = [*TINY_MODEL, *EVAL, "--max-tokens", "200"]
     port = free_port()
     procs = []
     for r in (0, 1):
@@ -484,11 +901,11 @@ def test_fairseq_train_two_ranks_equal_one_process_two_batches(tiny_data, tmp_pa
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
     # rank 0 logs (fairseq silences the others); a rank disagreement would have raised
-    assert "measured on 1 batch(es) x 2 rank(s)" in logs[0]
+    assert "measured in eval mode on 1 batch(es) x 2 rank(s)" in logs[0]
     p1 = train(tiny_data, tmp_path / "one", "admin_transformer",
                [*common, "--admin-profile-batches", "2", "--admin-profile-path",
                 tmp_path / "one.json"], max_update=1)
-    assert "measured on 2 batch(es) x 1 rank(s)" in p1.stderr + p1.stdout
+    assert "measured in eval mode on 2 batch(es) x 1 rank(s)" in p1.stderr + p1.stdout
     ddp = json.loads((tmp_path / "ddp.json").read_text())
     one = json.loads((tmp_path / "one.json").read_text())
     assert_close(ddp["omegas"], one["omegas"], 1e-9)
@@ -506,22 +923,26 @@ def test_fairseq_train_profiles_then_resumes_and_generates(tiny_data, tmp_path):
     extra = [*TINY_MODEL, *PROFILE, "--admin-profile-path", prof]
     p = train(tiny_data, save, "admin_transformer", extra, max_update=2)
     log = p.stdout + p.stderr
-    assert log.count("admin profile: measured") == 1
+    assert log.count("admin profile: measured in clinic mode") == 1
     assert "num_updates=2" in log  # training continued in the same command
+    losses = train_losses(log)
     state = load_model_state(save / "checkpoint_last.pt")
     assert int(state["admin_profiled"]) == 1
+    assert state["_extra_state"]["admin_profile_mode"] == "clinic"
     saved = json.loads(prof.read_text())
+    assert saved["settings"]["admin_profile_mode"] == "clinic"
     ck_omegas = _omegas_from_state(state)
     assert_close(ck_omegas, saved["omegas"], 1e-6)
     assert len(ck_omegas["encoder"]) == 4 and ck_omegas["encoder"][1] > 1.05
     assert saved["settings"]["encoder_layers"] == 2 and saved["settings"]["seed"] == 3
 
-    # the omegas are those of the independent computation on the first training batch
-    # of the freshly initialised model (fairseq-train seeds the init with --seed)
+    # the omegas are Clinic's, on the first training batch of the freshly initialised model
+    # (fairseq-train seeds the init with --seed), with the dropout masks of the first
+    # training step (fairseq seeds it with seed + num_updates = 3)
     model, task, _ = model_utils.build(tiny_data, "admin_transformer",
                                        [*TINY_MODEL, *PROFILE, "--max-tokens", "400"], seed=3)
     first = first_batches(task, 1, max_tokens=400, seed=3)
-    assert_close(reference_omegas(model, first), saved["omegas"], 1e-5)
+    assert_close(clinic_reference(model, first, seeds=[3]), saved["omegas"], 1e-5)
 
     # resume: no second profiling, omegas unchanged (buffers), training goes on
     os.unlink(prof)
@@ -534,11 +955,18 @@ def test_fairseq_train_profiles_then_resumes_and_generates(tiny_data, tmp_path):
     # generate needs no side file
     out = generate(tiny_data, save / "checkpoint_last.pt").stdout
     assert out.count("\nH-") + out.startswith("H-") > 0
+    # nor does it read one measured since with other settings: the omegas are the checkpoint's
+    _profile_file(tmp_path, admin_profile_mode="eval", encoder_embed_dim=999).rename(prof)
+    again = generate(tiny_data, save / "checkpoint_last.pt").stdout
+    assert hypotheses(again) == hypotheses(out)
+    os.unlink(prof)
 
-    # a new run given the saved profile reads it instead of measuring
+    # a new run given the saved profile reads it instead of measuring, and trains exactly
+    # as the run that measured it: profiling consumed none of training's random numbers
     profiling.save_profile(str(prof), saved["omegas"], saved["settings"])
-    p = train(tiny_data, tmp_path / "ck2", "admin_transformer", extra, max_update=1)
+    p = train(tiny_data, tmp_path / "ck2", "admin_transformer", extra, max_update=2)
     log = p.stdout + p.stderr
     assert "read json omegas from" in log and "admin profile: measured" not in log
+    assert train_losses(log) == losses and len(losses) == 2
     assert_close(_omegas_from_state(load_model_state(tmp_path / "ck2" / "checkpoint_last.pt")),
                  saved["omegas"], 1e-6)

@@ -376,7 +376,10 @@ def script_env(**extra):
     env["OMP_NUM_THREADS"] = "1"
     env["MKL_NUM_THREADS"] = "1"
     for key in ("CUDA_VISIBLE_DEVICES", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NNODES",
-                "NUM_GPUS", "NNODES", "LAUNCHER", "EXTRA_ARGS", "DATA_DIR", "RUN_DIR"):
+                "NUM_GPUS", "NNODES", "LAUNCHER", "EXTRA_ARGS", "DATA_DIR", "RUN_DIR",
+                "ADMIN_INIT", "OPTIMIZER", "PRECISION", "DEVICE", "MAX_TOKENS",
+                "EFFECTIVE_BATCH", "KEEP_LAST_EPOCHS", "AVG_LAST", "CHECKPOINT_UPPER_BOUND",
+                "CHECKPOINT", "BEAM", "LENPEN", "GEN_EXTRA_ARGS", "FAIRSEQ_BIN", "PYTHON"):
         env.pop(key, None)
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -448,8 +451,8 @@ def test_score_generation_against_independent_bleu(tmp_path):
                               [ref_compound_split(r) for r in tok_refs])
     expected_plain = ref_bleu(hyps, tok_refs)
     assert 20 < expected_plain < 100 and expected_split != expected_plain
-    assert result["tokenized"] == pytest.approx(expected_split, abs=1e-6)
-    assert result["tokenized_plain"] == pytest.approx(expected_plain, abs=1e-6)
+    assert result["tokenized"] == pytest.approx(expected_plain, abs=1e-6)
+    assert result["compound_split"] == pytest.approx(expected_split, abs=1e-6)
     # detokenized side: the unperturbed hypotheses detokenize back to the raw references
     for hyp, detok, raw in zip(hyps, result["detokenized_hypotheses"], raw_refs):
         if "Fehler" not in hyp:
@@ -563,31 +566,102 @@ def test_train_refuses_unreachable_batch(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+CLINIC_RADAM = "--optimizer radam --radam-early-steps skip --adam-betas '(0.9, 0.98)' --clip-norm 0.0"
+ADMIN_TORCH_ADAM = "--optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 0.0"
+
+
 @pytest.mark.parametrize(
-    "scheme,flags,absent,label",
-    [("post-ln", "--admin-init none", "--encoder-normalize-before", "post-ln"),
-     ("pre-ln", "--admin-init none --encoder-normalize-before --decoder-normalize-before", "", "pre-ln"),
-     ("admin", "--admin-init closed-form", "--encoder-normalize-before", "admin")],
+    "scheme,flags,optimizer,absent",
+    [("post-ln", "--admin-init none", CLINIC_RADAM, "--encoder-normalize-before"),
+     ("pre-ln", "--admin-init none --encoder-normalize-before --decoder-normalize-before",
+      CLINIC_RADAM, "--admin-omega"),
+     ("admin", "--admin-init profile --admin-profile-mode clinic --admin-omega parameter",
+      CLINIC_RADAM, "--encoder-normalize-before"),
+     ("admin-closed-form", "--admin-init closed-form --admin-omega parameter", ADMIN_TORCH_ADAM,
+      "--admin-profile-mode")],
 )
-def test_train_scheme_flags(scheme, flags, absent, label, tmp_path):
+def test_train_scheme_flags(scheme, flags, optimizer, absent, tmp_path):
     result = dry_run("wmt14_en_de", [scheme, "12l_12l", "7"], tmp_path, NUM_GPUS=4)
+    assert result.returncode == 0, result.stderr
     cmd = command_args(result.stdout)
-    assert flags in cmd and (not absent or absent not in cmd)
-    assert f"--save-dir {tmp_path}/runs/wmt14_en_de/{label}_12l_12l_7 " in cmd
+    assert f" {flags} {optimizer} --lr 1e-3 " in cmd and absent not in cmd
+    assert cmd.count("--optimizer ") == 1 and cmd.count("--admin-init ") == 1
+    assert f"--save-dir {tmp_path}/runs/wmt14_en_de/{scheme}_12l_12l_7 " in cmd
     for published in ("--lr 1e-3", "--warmup-updates 8000", "--warmup-init-lr 1e-07",
                       "--dropout 0.1", "--label-smoothing 0.1", "--share-all-embeddings",
                       "--max-epoch 100", "--max-tokens 8192", "--seed 7"):
         assert published + " " in cmd
 
 
-def test_train_admin_init_override_gets_its_own_folder(tmp_path):
-    result = dry_run("iwslt14_de_en", ["admin"], tmp_path, NUM_GPUS=1, ADMIN_INIT="profile")
-    cmd = command_args(result.stdout)
-    assert "--admin-init profile" in cmd
-    assert "/runs/iwslt14_de_en/admin-profile_6l_6l_1111 " in cmd
-    for published in ("--lr 7e-4", "--warmup-updates 6000", "--dropout 0.3",
-                      "--weight-decay 0.0001", "--max-update 100000", "--max-tokens 4096"):
-        assert published + " " in cmd
+def test_train_admin_is_the_papers_admin(tmp_path):
+    """`train.sh admin 18l_18l` (and `train.sh` without arguments: admin, 6l_6l) is
+    Transformer-Clinic's WMT14 En-De Admin command (nmt-experiments/wmt14_en-de.md) in this
+    package's flags: profiled omega (Clinic mode) as a trainable vector, RAdam with Clinic's
+    first steps, its schedule, stopping rule, fp16 loss scaling, seed and batch."""
+    clinic = ["--admin-init profile --admin-profile-mode clinic --admin-omega parameter",
+              CLINIC_RADAM, "--lr 1e-3 --lr-scheduler inverse_sqrt --warmup-init-lr 1e-07 "
+              "--warmup-updates 8000", "--weight-decay 0.0",
+              "--criterion label_smoothed_cross_entropy --label-smoothing 0.1",
+              "--max-tokens 8192 --update-freq 1 --max-update 500000 --max-epoch 100 "
+              "--stop-min-lr 1e-09", "--seed 1111",
+              "--fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125",
+              "--distributed-world-size 4", "--share-all-embeddings",
+              "--arch admin_transformer_wmt_en_de_18l_18l"]
+    cmd = command_args(dry_run("wmt14_en_de", ["admin", "18l_18l"], tmp_path, NUM_GPUS=4).stdout)
+    for flags in clinic:
+        assert f" {flags} " in cmd + " ", flags
+    default = command_args(dry_run("wmt14_en_de", [], tmp_path, NUM_GPUS=4).stdout)
+    assert default.replace("6l_6l", "18l_18l") == cmd
+
+
+@pytest.mark.parametrize("task,lr,warmup,batch,length", [
+    ("wmt14_en_fr", "7e-4", "8000", "--max-tokens 8000 --update-freq 10",
+     "--max-epoch 50 --stop-min-lr 1e-09"),
+    ("iwslt14_de_en", "7e-4", "6000", "--max-tokens 4096 --update-freq 1", "--max-update 100000"),
+])
+def test_train_other_tasks_follow_clinic(task, lr, warmup, batch, length, tmp_path):
+    gpus = 8 if task == "wmt14_en_fr" else 1
+    cmd = command_args(dry_run(task, ["admin"], tmp_path, NUM_GPUS=gpus).stdout)
+    for flags in ("--admin-init profile --admin-profile-mode clinic --admin-omega parameter "
+                  + CLINIC_RADAM, f"--lr {lr} ", f"--warmup-updates {warmup} ",
+                  f"{batch} {length} ", "--fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125"):
+        assert flags in cmd, flags
+    if task == "iwslt14_de_en":
+        for published in ("--dropout 0.3 ", "--weight-decay 0.0001 ", "--keep-last-epochs 20 "):
+            assert published in cmd
+        assert "--stop-min-lr" not in cmd
+
+
+FAKE_FAIRSEQ_TRAIN = """#!{python}
+import json, os, sys
+with open(os.environ["ARGV_OUT"], "w") as out:
+    json.dump(sys.argv[1:], out)
+"""
+
+
+def test_extra_args_arrive_as_shell_words(tmp_path):
+    """EXTRA_ARGS is split like shell words: a quoted value stays one argument, nothing in it
+    is expanded. A stand-in fairseq-train (FAIRSEQ_BIN) records the argv it receives."""
+    fake_bin = tmp_path / "fake_bin"
+    fake_bin.mkdir()
+    (fake_bin / "fairseq-train").write_text(FAKE_FAIRSEQ_TRAIN.format(python=sys.executable))
+    (fake_bin / "fairseq-train").chmod(0o755)
+    data = tmp_path / "bin"
+    data.mkdir()
+    (data / "dict.en.txt").write_text("a 1\n")
+    extra = "--adam-betas '(0.9, 0.999)' --log-interval 7 --tensorboard-logdir \"$HOME/tb dir\""
+    env = script_env(FAIRSEQ_BIN=fake_bin, PYTHON=sys.executable, DEVICE="cpu",
+                     RUNS_DIR=tmp_path / "runs", DATA_BIN=data, ARGV_OUT=tmp_path / "argv.json",
+                     EXTRA_ARGS=extra)
+    run_script([os.path.join(REPO, "examples/wmt14_en_de/train.sh"), "admin", "18l_18l"], env,
+               tmp_path)
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    assert argv[-6:] == ["--adam-betas", "(0.9, 0.999)", "--log-interval", "7",
+                         "--tensorboard-logdir", "$HOME/tb dir"]
+    # the recipe's own betas come first, so argparse takes the ones of EXTRA_ARGS
+    assert argv.count("--adam-betas") == 2 and argv[argv.index("--adam-betas") + 1] == "(0.9, 0.98)"
+    recorded = json.loads((tmp_path / "runs/wmt14_en_de/admin_18l_18l_1111/recipe.json").read_text())
+    assert recorded["extra_args"] == extra
 
 
 def test_train_launchers(tmp_path):
@@ -615,7 +689,12 @@ def test_train_launchers(tmp_path):
 
 @pytest.mark.parametrize(
     "args,env,message",
-    [(["rezero"], {}, "SCHEME 'rezero' is not valid; valid choices: post-ln pre-ln admin"),
+    [(["rezero"], {}, "SCHEME 'rezero' is not valid; valid choices: post-ln pre-ln admin "
+      "admin-closed-form"),
+     (["admin"], {"ADMIN_INIT": "closed-form"}, "ADMIN_INIT is no longer read: SCHEME sets"),
+     (["admin"], {"OPTIMIZER": "adam"}, "OPTIMIZER is no longer read: SCHEME sets"),
+     (["admin"], {"EXTRA_ARGS": "--adam-betas '(0.9, 0.98)"},
+      "EXTRA_ARGS cannot be split into arguments (No closing quotation)"),
      (["admin", "24l_24l"], {}, "valid choices: 6l_6l 12l_12l 18l_18l 60l_12l 100l_100l"),
      (["admin"], {"PRECISION": "fp8"}, "PRECISION 'fp8' is not valid; valid choices: fp16 bf16 fp32"),
      (["admin"], {"DEVICE": "tpu"}, "DEVICE 'tpu' is not valid"),
@@ -626,6 +705,7 @@ def test_train_launchers(tmp_path):
 def test_train_rejects_bad_settings(args, env, message, tmp_path):
     result = dry_run("wmt14_en_de", args, tmp_path, **{"NUM_GPUS": 4, **env})
     assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
 
 
 # ======================================================================================
@@ -636,14 +716,48 @@ EXAMPLES = os.path.join(REPO, "examples")
 
 # scheme/depth per task so that every scheme and precision path runs once; the depth only
 # picks the recipe's hyperparameters and folder name (ARCH makes the model tiny)
+def _has_profile_mode():
+    """Whether the plugin has --admin-profile-mode yet (added alongside this recipe change);
+    until then the paper's `admin` scheme cannot run and the pipeline trains
+    admin-closed-form."""
+    import argparse
+
+    from fairseq_admin_pos.models import admin_profile
+
+    parser = argparse.ArgumentParser()
+    admin_profile.add_profile_args(parser)
+    return "--admin-profile-mode" in parser._option_string_actions
+
+
+# scheme/depth per task so that every scheme and precision path runs once; the depth only
+# picks the recipe's hyperparameters and folder name (ARCH makes the model tiny). eval: the
+# WMT tasks average both epochs under the task's default upper bound (100, 50); IWSLT sets
+# CHECKPOINT_UPPER_BOUND=1, so its "last 1" must be epoch 1, not the last epoch 2.
 E2E = {
     "wmt14_en_de": dict(src="en", tgt="de", scheme="admin", depth="18l_18l", compound=True,
-                        lowercase=False, precision="fp32", init="closed-form"),
-    "wmt14_en_fr": dict(src="en", tgt="fr", scheme="post-ln", depth="60l_12l", compound=True,
-                        lowercase=False, precision="fp32", init="none"),
+                        lowercase=False, precision="fp32", init="profile", optimizer="radam",
+                        beam="--beam 5 --lenpen 1.0", eval_env=dict(AVG_LAST=2),
+                        averaging="--num-epoch-checkpoints 2 --checkpoint-upper-bound 100",
+                        averaged="averaged_last2_upto100", epochs=(1, 2)),
+    "wmt14_en_fr": dict(src="en", tgt="fr", scheme="post-ln", depth="60l_12l", compound=False,
+                        lowercase=False, precision="fp32", init="none", optimizer="radam",
+                        beam="--beam 5 --lenpen 0.8", eval_env=dict(AVG_LAST=2),
+                        averaging="--num-epoch-checkpoints 2 --checkpoint-upper-bound 50",
+                        averaged="averaged_last2_upto50", epochs=(1, 2)),
     "iwslt14_de_en": dict(src="de", tgt="en", scheme="pre-ln", depth="6l_6l", compound=False,
-                          lowercase=True, precision="bf16", init="none"),
+                          lowercase=True, precision="bf16", init="none", optimizer="radam",
+                          beam="--beam 5 --lenpen 1.0",
+                          eval_env=dict(AVG_LAST=1, CHECKPOINT_UPPER_BOUND=1),
+                          averaging="--num-epoch-checkpoints 1 --checkpoint-upper-bound 1",
+                          averaged="averaged_last1_upto1", epochs=(1,)),
 }
+
+
+def e2e_spec(task):
+    spec = dict(E2E[task])
+    if spec["scheme"] == "admin" and not _has_profile_mode():
+        spec.update(scheme="admin-closed-form", init="closed-form", optimizer="adam")
+    return spec
 
 
 def binarized_count(prefix):
@@ -657,15 +771,23 @@ def read_lines_utf8(path):
 
 
 def printed_score(stdout, label):
-    match = re.search(re.escape(label) + r"[^:]*: (\d+\.\d+)", stdout)
-    assert match, f"{label!r} not printed:\n{stdout[-2000:]}"
-    return float(match.group(1))
+    """(line number, value) of the score printed on the line that starts with label."""
+    for number, line in enumerate(stdout.splitlines()):
+        match = re.match(re.escape(label) + r".*?: (\d+\.\d+)", line)
+        if match:
+            return number, float(match.group(1))
+    raise AssertionError(f"{label!r} not printed:\n{stdout[-2000:]}")
+
+
+PAPER_BLEU = "tokenized BLEU (the Admin paper's scoring: fairseq-generate's BLEU4"
+SACREBLEU = "detokenized sacreBLEU"
+COMPOUND_BLEU = "tokenized BLEU, compound split (a-b -> a ##AT##-##AT## b, tensor2tensor's"
 
 
 def _pipeline(task, base_dir, base_url, site_dir):
     """prepare (twice) -> train -> [resume, refused resume] -> eval for one task, through the
     scripts; returns what the assertions need. Runs in a worker thread."""
-    spec = E2E[task]
+    spec = e2e_spec(task)
     src, tgt = spec["src"], spec["tgt"]
     rng = random.Random(11)
     work = base_dir / task
@@ -695,8 +817,8 @@ def _pipeline(task, base_dir, base_url, site_dir):
         r["resumed"] = run_script(r["train_cmd"], r["train_env"], work)
         other = dict(r["train_env"], EXTRA_ARGS="--max-epoch 2 --num-workers 0 --lr 0.01")
         r["refused"] = run_script(r["train_cmd"], other, work, check=False)
-    eval_env = script_env(DEVICE="cpu", AVG_LAST=2, DATA_DIR=r["data"],
-                          GEN_EXTRA_ARGS="--max-len-b 10")
+    eval_env = script_env(DEVICE="cpu", DATA_DIR=r["data"], GEN_EXTRA_ARGS="--max-len-b 10",
+                          **spec["eval_env"])
     r["eval"] = run_script([f"{EXAMPLES}/{task}/eval.sh", r["run_dir"]], eval_env, work)
     return r
 
@@ -811,6 +933,11 @@ def test_recipe_train(task, e2e):
     assert (run_dir / "checkpoint1.pt").exists() and (run_dir / "checkpoint2.pt").exists()
     model_cfg = state["cfg"]["model"]
     assert model_cfg.admin_init == spec["init"]
+    assert state["cfg"]["optimizer"]["_name"] == spec["optimizer"]
+    groups = state["last_optimizer_state"]["param_groups"]
+    assert tuple(groups[0]["betas"]) == (0.9, 0.98)
+    if spec["optimizer"] == "radam":
+        assert groups[0]["early_steps"] == "skip"
     assert state["model"]["_extra_state"]["admin_init"] == spec["init"]
     assert bool(model_cfg.encoder_normalize_before) == (spec["scheme"] == "pre-ln")
     assert bool(model_cfg.decoder_normalize_before) == (spec["scheme"] == "pre-ln")
@@ -841,39 +968,41 @@ def test_recipe_eval(task, e2e):
     spec, run_dir, test, data = r["spec"], r["run_dir"], r["test"], r["data"]
     tgt = spec["tgt"]
     out = r["eval"].stdout
-    beam = {"wmt14_en_de": "--beam 4 --lenpen 0.6", "wmt14_en_fr": "--beam 5 --lenpen 0.8",
-            "iwslt14_de_en": "--beam 5 --lenpen 1.0"}[task]
-    assert re.search(r"^\+ .*fairseq-generate .*" + re.escape(beam), out, re.M)
-    assert re.search(r"^\+ .*average_checkpoints .*--num-epoch-checkpoints 2", out, re.M)
+    assert re.search(r"^\+ .*fairseq-generate .*" + re.escape(spec["beam"]), out, re.M)
+    name = spec["averaged"]
+    assert re.search(r"^\+ .*average_checkpoints .*" + re.escape(spec["averaging"])
+                     + f" --output {re.escape(str(run_dir))}/{name}.pt$", out, re.M)
+    assert "scoring with other settings than Transformer-Clinic eval_" in out
 
-    averaged = torch_load(run_dir / "averaged_last2.pt")
-    assert averaged["averaged_checkpoints"] == ["checkpoint1.pt", "checkpoint2.pt"]
-    c1 = torch_load(run_dir / "checkpoint1.pt")["model"]
+    averaged = torch_load(run_dir / f"{name}.pt")
+    assert averaged["averaged_checkpoints"] == [f"checkpoint{e}.pt" for e in spec["epochs"]]
+    models = [torch_load(run_dir / f"checkpoint{e}.pt")["model"] for e in spec["epochs"]]
     c2 = r["checkpoint2"]["model"]
     for key in ("encoder.layers.0.fc1.weight", "decoder.embed_tokens.weight"):
-        expected = (c1[key].double() + c2[key].double()) / 2
-        assert not torch.equal(c1[key], c2[key])
+        expected = sum(m[key].double() for m in models) / len(models)
+        assert not torch.equal(models[0][key], c2[key])
         assert torch.allclose(averaged["model"][key].double(), expected, atol=1e-7, rtol=0)
 
     tok_ref = read_lines_utf8(data / "ref" / f"test.tok.{tgt}")
     raw_ref = read_lines_utf8(data / "ref" / f"test.raw.{tgt}")
-    hyps = recipes.read_generate_hypotheses(str(run_dir / "eval" / "generate-test.averaged_last2.txt"))
+    hyps = recipes.read_generate_hypotheses(str(run_dir / "eval" / f"generate-test.{name}.txt"))
     assert sorted(hyps) == list(range(len(test)))  # every test sentence translated
     hyp_list = [hyps[i] for i in range(len(test))]
-    if spec["compound"]:
-        expected_tok = ref_bleu([ref_compound_split(h) for h in hyp_list],
-                                [ref_compound_split(x) for x in tok_ref])
-        assert printed_score(out, "tokenized BLEU, compound split") == round(expected_tok, 2)
-        assert printed_score(out, "tokenized BLEU, no compound split") == round(
-            ref_bleu(hyp_list, tok_ref), 2)
-    else:
-        assert printed_score(out, "tokenized BLEU (papers") == round(ref_bleu(hyp_list, tok_ref), 2)
-    detok = read_lines_utf8(run_dir / "eval" / f"test.averaged_last2.detok.{tgt}")
+    # the paper's scoring first, then sacreBLEU, then (En-De) the compound-split BLEU
+    line, paper = printed_score(out, PAPER_BLEU)
+    assert paper == round(ref_bleu(hyp_list, tok_ref), 2)
+    detok = read_lines_utf8(run_dir / "eval" / f"test.{name}.detok.{tgt}")
     sacre = sacrebleu.corpus_bleu(detok, [raw_ref], lowercase=spec["lowercase"])
-    assert printed_score(out, "detokenized sacreBLEU") == round(sacre.score, 2)
+    assert printed_score(out, SACREBLEU) == (line + 1, round(sacre.score, 2))
+    if spec["compound"]:
+        expected_split = ref_bleu([ref_compound_split(h) for h in hyp_list],
+                                  [ref_compound_split(x) for x in tok_ref])
+        assert printed_score(out, COMPOUND_BLEU) == (line + 2, round(expected_split, 2))
+    else:
+        assert "compound" not in out
     case = "case:lc" if spec["lowercase"] else "case:mixed"
     assert re.search(r"signature: nrefs:1\|" + case + r"\|eff:no\|tok:13a\|smooth:exp\|version:", out)
-    scores = json.loads((run_dir / "eval" / "bleu.averaged_last2.json").read_text())
+    scores = json.loads((run_dir / "eval" / f"bleu.{name}.json").read_text())
     assert scores["sentences"] == len(test)
 
 

@@ -25,8 +25,7 @@ from fairseq_cli_utils import (
     run,
     train_losses,
 )
-from model_utils import assert_incremental_matches_full, build, sample_batch
-from test_admin_transformer import SMALL, residuals
+from model_utils import SMALL, assert_incremental_matches_full, build, residuals, sample_batch
 
 
 # --------------------------------------------------------------------------------------- #

@@ -196,21 +196,54 @@ _wmt_apply_and_clean() {
 # ---------------------------------------------------------------------------------------
 # The task's train.sh sets: TASK SRC TGT ARCH EFFECTIVE_BATCH_DEFAULT MAX_TOKENS_DEFAULT LR
 # WARMUP DROPOUT ATTENTION_DROPOUT ACTIVATION_DROPOUT WEIGHT_DECAY LENGTH (array, e.g.
-# (--max-epoch 100)) and SCHEME DEPTH SEED, then calls recipe_train.
-recipe_train() {
-  local scheme_flags label init=none
-  case "$SCHEME" in
-    post-ln) scheme_flags=(--admin-init none); label=post-ln ;;
-    pre-ln) scheme_flags=(--admin-init none --encoder-normalize-before --decoder-normalize-before)
-            label=pre-ln ;;
-    admin)
-      init="${ADMIN_INIT:-closed-form}"
-      scheme_flags=(--admin-init "$init")
-      # another initialisation is another run: keep it out of the closed-form run's folder
-      label=admin
-      if [[ "$init" != closed-form ]]; then label="admin-$init"; fi ;;
-    *) die "SCHEME '$SCHEME' is not valid; valid choices: post-ln pre-ln admin" ;;
+# (--max-epoch 100)), STOP_FLAGS (array, may be empty), KEEP_LAST_DEFAULT and SCHEME DEPTH
+# SEED, then calls recipe_train.
+#
+# Schemes. The baselines and the paper's Admin train as Transformer-Clinic did (RAdam with
+# its first-steps behaviour, see fairseq_admin_pos/optim/radam.py), so they differ in the
+# residual alone; admin-closed-form is admin-torch's Admin, trained as admin-torch did (Adam).
+SCHEMES="post-ln pre-ln admin admin-closed-form"
+CLINIC_OPTIMIZER=(--optimizer radam --radam-early-steps skip --adam-betas "(0.9, 0.98)" --clip-norm 0.0)
+ADMIN_TORCH_OPTIMIZER=(--optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0)
+
+# scheme_flags SCHEME: sets SCHEME_FLAGS (residual) and OPTIMIZER_FLAGS
+scheme_flags() {
+  case "$1" in
+    post-ln) SCHEME_FLAGS=(--admin-init none); OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
+    pre-ln) SCHEME_FLAGS=(--admin-init none --encoder-normalize-before --decoder-normalize-before)
+            OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
+    # the paper's Admin: omega profiled on the first training batch as Clinic's
+    # --init-type adaptive-profiling does (training-mode forward, padding counted), then a
+    # trainable vector of size embed_dim (--init-type adaptive)
+    admin) SCHEME_FLAGS=(--admin-init profile --admin-profile-mode clinic --admin-omega parameter)
+           OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
+    # admin-torch: omega = sqrt((N+1)/ln(N+1) - 1) per stack, a trainable vector
+    admin-closed-form) SCHEME_FLAGS=(--admin-init closed-form --admin-omega parameter)
+                       OPTIMIZER_FLAGS=("${ADMIN_TORCH_OPTIMIZER[@]}") ;;
+    *) die "SCHEME '$1' is not valid; valid choices: $SCHEMES" ;;
   esac
+}
+
+# shell_words ARRAY VAR: split the value of the variable VAR into the array ARRAY as the
+# shell splits words (quotes, backslashes; no expansion, nothing is run), so that
+# EXTRA_ARGS="--adam-betas '(0.9, 0.999)'" gives two arguments. recipes.py prints the words
+# shell-quoted, which makes the eval safe.
+shell_words() {
+  local quoted
+  quoted="$("${RECIPES[@]}" split-args --name "$2" -- "${!2:-}")" || exit 2
+  eval "$1=($quoted)"
+}
+
+recipe_train() {
+  local var
+  for var in ADMIN_INIT OPTIMIZER; do
+    [[ -z "${!var:-}" ]] || die "$var is no longer read: SCHEME sets the initialisation and the" \
+      "optimizer (post-ln, pre-ln, admin: RAdam as Transformer-Clinic; admin-closed-form:" \
+      "admin-torch's closed form with Adam); pass other fairseq flags with EXTRA_ARGS. Unset $var."
+  done
+  scheme_flags "$SCHEME"
+  local label="$SCHEME"
+  declare -p STOP_FLAGS >/dev/null 2>&1 || STOP_FLAGS=()
   [[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED '$SEED' must be a non-negative integer"
 
   DEVICE="${DEVICE:-gpu}"
@@ -301,19 +334,18 @@ recipe_train() {
   DATA_BIN="$(realpath -m "${DATA_BIN:-${DATA_DIR:-$PWD/data/$TASK}/data-bin}")"
   RUNS_DIR="$(realpath -m "${RUNS_DIR:-$PWD/runs}")"
   RUN_DIR="$(realpath -m "${RUN_DIR:-$RUNS_DIR/$TASK/${label}_${DEPTH}_${SEED}}")"
-  local keep="${KEEP_LAST_EPOCHS:-10}"
+  local keep="${KEEP_LAST_EPOCHS:-${KEEP_LAST_DEFAULT:-10}}"
   local extra=()
-  [[ -n "${EXTRA_ARGS:-}" ]] && read -r -a extra <<< "$EXTRA_ARGS"
+  shell_words extra EXTRA_ARGS
 
   local cmd=("${launch[@]}" "${trainer[@]}" "$DATA_BIN" --user-dir "$USER_DIR"
     --task translation --source-lang "$SRC" --target-lang "$TGT"
-    --arch "$arch" --share-all-embeddings "${scheme_flags[@]}"
-    --optimizer "${OPTIMIZER:-adam}" --adam-betas "(0.9, 0.98)" --clip-norm 0.0
+    --arch "$arch" --share-all-embeddings "${SCHEME_FLAGS[@]}" "${OPTIMIZER_FLAGS[@]}"
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-init-lr 1e-07 --warmup-updates "$WARMUP"
     --dropout "$DROPOUT" --attention-dropout "$ATTENTION_DROPOUT"
     --activation-dropout "$ACTIVATION_DROPOUT" --weight-decay "$WEIGHT_DECAY"
     --criterion label_smoothed_cross_entropy --label-smoothing 0.1
-    --max-tokens "$max_tokens" --update-freq "$update_freq" "${LENGTH[@]}"
+    --max-tokens "$max_tokens" --update-freq "$update_freq" "${LENGTH[@]}" "${STOP_FLAGS[@]}"
     --seed "$SEED" --save-dir "$RUN_DIR" --keep-last-epochs "$keep"
     --log-format simple --log-interval "${LOG_INTERVAL:-100}"
     "${precision_flags[@]}" "${device_flags[@]}" "${dist_flags[@]}" "${extra[@]}")
@@ -330,11 +362,12 @@ recipe_train() {
   # settings that define the run; GPUs / max-tokens / update-freq may change on resume
   local state
   state="$("${RECIPES[@]}" run-config --run-dir "$RUN_DIR" task="$TASK" scheme="$SCHEME" \
-    admin_init="$init" depth="$DEPTH" seed="$SEED" arch="$arch" \
+    scheme_flags="${SCHEME_FLAGS[*]}" optimizer_flags="${OPTIMIZER_FLAGS[*]}" \
+    depth="$DEPTH" seed="$SEED" arch="$arch" \
     data_bin="$DATA_BIN" effective_batch="$effective" lr="$LR" warmup="$WARMUP" \
     dropout="$DROPOUT" attention_dropout="$ATTENTION_DROPOUT" \
     activation_dropout="$ACTIVATION_DROPOUT" weight_decay="$WEIGHT_DECAY" \
-    length="${LENGTH[*]}" optimizer="${OPTIMIZER:-adam}" precision="$PRECISION" \
+    length="${LENGTH[*]} ${STOP_FLAGS[*]}" precision="$PRECISION" \
     extra_args="${EXTRA_ARGS:-}")" || exit 2
   if [[ "$state" == resume ]]; then
     say "resuming the run in $RUN_DIR (fairseq continues from checkpoint_last.pt if present)"
@@ -359,8 +392,10 @@ recipe_train() {
 # ---------------------------------------------------------------------------------------
 # eval.sh
 # ---------------------------------------------------------------------------------------
-# The task's eval.sh sets TASK SRC TGT BEAM_DEFAULT LENPEN_DEFAULT COMPOUND_SPLIT (0/1)
-# LOWERCASE (0/1) and RUN_DIR, then calls recipe_eval.
+# The task's eval.sh sets TASK SRC TGT BEAM_DEFAULT LENPEN_DEFAULT UPPER_BOUND_DEFAULT (the
+# last epoch the averaging may take, as Transformer-Clinic's eval_*.sh) SCORING (one line
+# naming the published scoring the defaults follow) COMPOUND_SPLIT (0/1) LOWERCASE (0/1) and
+# RUN_DIR, then calls recipe_eval.
 recipe_eval() {
   [[ -d "$RUN_DIR" ]] || die "run folder $RUN_DIR does not exist"
   DATA_DIR="$(realpath -m "${DATA_DIR:-$PWD/data/$TASK}")"
@@ -369,17 +404,34 @@ recipe_eval() {
   [[ -f "$ref_dir/test.tok.$TGT" && -f "$ref_dir/test.raw.$TGT" ]] || die "no test references" \
     "in $ref_dir (test.tok.$TGT, test.raw.$TGT): run examples/$TASK/prepare.sh, or set DATA_DIR"
   local avg_last="${AVG_LAST:-10}" eval_dir="$RUN_DIR/eval" checkpoint
+  local bound="${CHECKPOINT_UPPER_BOUND:-$UPPER_BOUND_DEFAULT}"
+  [[ "$avg_last" =~ ^[1-9][0-9]*$ ]] || die "AVG_LAST '$avg_last' must be a positive integer"
+  [[ "$bound" == none || "$bound" =~ ^[1-9][0-9]*$ ]] || die "CHECKPOINT_UPPER_BOUND" \
+    "'$bound' must be a positive epoch number, or none (no bound)"
+  local beam="${BEAM:-$BEAM_DEFAULT}" lenpen="${LENPEN:-$LENPEN_DEFAULT}"
+  if [[ "$avg_last" == 10 && "$bound" == "$UPPER_BOUND_DEFAULT" && "$beam" == "$BEAM_DEFAULT" &&
+        "$lenpen" == "$LENPEN_DEFAULT" && -z "${CHECKPOINT:-}" ]]; then
+    say "scoring as $SCORING"
+  else
+    say "scoring with other settings than $SCORING: AVG_LAST=$avg_last" \
+        "CHECKPOINT_UPPER_BOUND=$bound BEAM=$beam LENPEN=$lenpen${CHECKPOINT:+ CHECKPOINT=$CHECKPOINT}"
+  fi
   mkdir -p "$eval_dir"
   if [[ -n "${CHECKPOINT:-}" ]]; then
     checkpoint="$CHECKPOINT"
     say "== evaluating $checkpoint (CHECKPOINT given: no averaging)"
   else
-    checkpoint="$RUN_DIR/averaged_last${avg_last}.pt"
-    say "== averaging the last $avg_last epoch checkpoints"
     local avg=("$PY" -m fairseq_admin_pos.cli.average_checkpoints --inputs "$RUN_DIR"
-               --num-epoch-checkpoints "$avg_last" --output "$checkpoint")
-    [[ -n "${CHECKPOINT_UPPER_BOUND:-}" ]] && avg+=(--checkpoint-upper-bound "$CHECKPOINT_UPPER_BOUND")
-    run "${avg[@]}"
+               --num-epoch-checkpoints "$avg_last")
+    if [[ "$bound" == none ]]; then
+      checkpoint="$RUN_DIR/averaged_last${avg_last}.pt"
+      say "== averaging the last $avg_last epoch checkpoints"
+    else
+      checkpoint="$RUN_DIR/averaged_last${avg_last}_upto${bound}.pt"
+      say "== averaging the last $avg_last epoch checkpoints up to epoch $bound"
+      avg+=(--checkpoint-upper-bound "$bound")
+    fi
+    run "${avg[@]}" --output "$checkpoint"
   fi
   local gen_flags=()
   case "${DEVICE:-gpu}" in
@@ -389,10 +441,10 @@ recipe_eval() {
   esac
   local name; name="$(basename "$checkpoint" .pt)"
   local gen_out="$eval_dir/generate-test.$name.txt"
-  say "== translating the test set (beam ${BEAM:-$BEAM_DEFAULT}, lenpen ${LENPEN:-$LENPEN_DEFAULT})"
+  say "== translating the test set (beam $beam, lenpen $lenpen)"
   local gen=("$FSBIN/fairseq-generate" "$DATA_BIN" --user-dir "$USER_DIR"
     --task translation --source-lang "$SRC" --target-lang "$TGT" --gen-subset test
-    --path "$checkpoint" --beam "${BEAM:-$BEAM_DEFAULT}" --lenpen "${LENPEN:-$LENPEN_DEFAULT}"
+    --path "$checkpoint" --beam "$beam" --lenpen "$lenpen"
     --remove-bpe --batch-size "${GEN_BATCH_SIZE:-128}" "${gen_flags[@]}"
     --required-batch-size-multiple 1)
   # ^ fairseq's batch_by_size drops a final batch whose size is not a multiple of
@@ -400,7 +452,7 @@ recipe_eval() {
   #   sentences would go untranslated. The plugin's batching_fix repairs that too; with a
   #   multiple of 1 nothing depends on it, and `score` refuses an incomplete output.
   local gen_extra=()
-  [[ -n "${GEN_EXTRA_ARGS:-}" ]] && read -r -a gen_extra <<< "$GEN_EXTRA_ARGS"
+  shell_words gen_extra GEN_EXTRA_ARGS
   gen+=("${gen_extra[@]}")
   show "${gen[@]}" ">" "$gen_out"
   "${gen[@]}" > "$gen_out.tmp"

@@ -19,8 +19,11 @@ Sub-commands (``--help`` on each):
                     non-printing characters, aggressive hyphen splitting ``-a``, lowercasing),
                     from plain text, WMT/IWSLT SGML ``<seg>`` files or IWSLT ``train.tags``;
 * ``clean``         length / ratio filter of a parallel corpus (clean-corpus-n.perl rules);
-* ``score``         tokenized BLEU (with compound splitting for WMT, the papers' number) and
-                    detokenized sacreBLEU with its signature, from ``fairseq-generate`` output.
+* ``score``         from ``fairseq-generate`` output: tokenized BLEU (the Admin paper's
+                    scoring), detokenized sacreBLEU with its signature, and for En-De the
+                    compound-split BLEU (tensor2tensor's convention), each labelled;
+* ``split-args``    split a string such as ``EXTRA_ARGS`` into words as the shell does
+                    (quotes, backslashes; no expansion) and print them shell-quoted.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -627,10 +631,15 @@ def score_generation(generate_output: str, tok_ref: str, raw_ref: str, lang: str
                      compound: bool, lowercase: bool) -> Dict[str, object]:
     """BLEU of a ``fairseq-generate --remove-bpe`` output.
 
-    * ``tokenized``: corpus BLEU on the Moses-tokenized text (sacrebleu ``tokenize="none"``,
-      no smoothing, i.e. multi-bleu.perl), after :func:`compound_split` when ``compound``:
-      the number the papers report;
-    * ``tokenized_plain``: the same without compound splitting (fairseq-generate's number);
+    * ``tokenized``: corpus BLEU-4 without smoothing (multi-bleu.perl; sacrebleu
+      ``tokenize="none"``) of the hypotheses against the Moses-tokenized reference. This is
+      the Admin paper's scoring: Transformer-Clinic's ``eval_*.sh`` report the BLEU4 line of
+      ``fairseq-generate --remove-bpe``, i.e. this BLEU against the tokenized references of
+      the binarized test set (those hold ``<unk>`` where a reference character is missing
+      from the dictionary; here the reference text itself is used);
+    * ``compound_split`` (with ``compound``): the same after :func:`compound_split` of
+      hypotheses and references, tensor2tensor's ``get_ende_bleu.sh`` convention (Vaswani
+      et al. 2017, fairseq's ``compound_split_bleu.sh``); not the Admin paper's scoring;
     * ``sacrebleu``: the hypotheses detokenized with sacremoses, scored against the raw,
       untokenized reference with sacreBLEU's defaults (13a), ``lowercase`` for the
       lowercased IWSLT setup, with the signature.
@@ -653,17 +662,13 @@ def score_generation(generate_output: str, tok_ref: str, raw_ref: str, lang: str
     plain = BLEU(tokenize="none", smooth_method="none", force=True)
     result: Dict[str, object] = {
         "sentences": len(hyp_tok),
-        "tokenized_plain": plain.corpus_score(hyp_tok, [refs_tok]).score,
+        "tokenized": plain.corpus_score(hyp_tok, [refs_tok]).score,
     }
     if compound:
         split = BLEU(tokenize="none", smooth_method="none", force=True)
-        result["tokenized"] = split.corpus_score(
+        result["compound_split"] = split.corpus_score(
             [compound_split(h) for h in hyp_tok], [[compound_split(r) for r in refs_tok]]
         ).score
-        result["tokenized_method"] = "Moses-tokenized, compound-split (##AT##-##AT##)"
-    else:
-        result["tokenized"] = result["tokenized_plain"]
-        result["tokenized_method"] = "Moses-tokenized"
     detok = MosesDetokenizer(lang=lang)
     hyp_detok = [detok.detokenize(h.split()) for h in hyp_tok]
     sacre = BLEU(lowercase=lowercase)
@@ -671,6 +676,17 @@ def score_generation(generate_output: str, tok_ref: str, raw_ref: str, lang: str
     result["sacrebleu_signature"] = str(sacre.get_signature())
     result["detokenized_hypotheses"] = hyp_detok
     return result
+
+
+def shell_quoted_words(text: str, name: str = "value") -> str:
+    """``text`` split into words by the shell's rules (:func:`shlex.split`: quotes and
+    backslashes; no variable, command or glob expansion), printed shell-quoted and
+    space-separated: what ``eval "array=($output)"`` turns back into exactly those words."""
+    try:
+        words = shlex.split(text)
+    except ValueError as error:
+        raise RecipeError(f"{name} cannot be split into arguments ({error}): {text!r}") from None
+    return " ".join(shlex.quote(w) for w in words)
 
 
 # --------------------------------------------------------------------------------------
@@ -735,15 +751,20 @@ def _cmd_score(args) -> None:
     if args.detok_output:
         with open(args.detok_output, "w", encoding="utf-8") as handle:
             handle.writelines(h + "\n" for h in hyps)
-    label = "tokenized BLEU, compound split" if args.compound_split else "tokenized BLEU"
-    print(f"{label} (papers' number): {result['tokenized']:.2f}")
-    if args.compound_split:
-        print(f"tokenized BLEU, no compound split (fairseq-generate's): "
-              f"{result['tokenized_plain']:.2f}")
+    print(f"tokenized BLEU (the Admin paper's scoring: fairseq-generate's BLEU4 on the "
+          f"Moses-tokenized reference): {result['tokenized']:.2f}")
     print(f"detokenized sacreBLEU: {result['sacrebleu']:.2f}  "
           f"signature: {result['sacrebleu_signature']}")
+    if args.compound_split:
+        print(f"tokenized BLEU, compound split (a-b -> a ##AT##-##AT## b, tensor2tensor's "
+              f"get_ende_bleu.sh convention; not the Admin paper's scoring): "
+              f"{result['compound_split']:.2f}")
     if args.json:
         _atomic_write_text(args.json, json.dumps(result, indent=2, sort_keys=True) + "\n")
+
+
+def _cmd_split_args(args) -> None:
+    print(shell_quoted_words(args.value, args.name))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -810,11 +831,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tok-ref", required=True, help="Moses-tokenized reference")
     p.add_argument("--raw-ref", required=True, help="untokenized reference")
     p.add_argument("--lang", required=True, help="target language (detokenizer)")
-    p.add_argument("--compound-split", action="store_true")
+    p.add_argument("--compound-split", action="store_true",
+                   help="also print the compound-split BLEU (WMT En-De convention)")
     p.add_argument("--lowercase", action="store_true", help="case-insensitive sacreBLEU")
     p.add_argument("--detok-output", help="write the detokenized hypotheses here")
     p.add_argument("--json", help="write the scores here")
     p.set_defaults(func=_cmd_score)
+
+    p = sub.add_parser("split-args", help="split a string into shell words, print them quoted")
+    p.add_argument("--name", default="value", help="what the string is (for error messages)")
+    p.add_argument("value", help="the string, e.g. the value of EXTRA_ARGS (put -- before it)")
+    p.set_defaults(func=_cmd_split_args)
     return parser
 
 

@@ -3,17 +3,19 @@
 #
 #   examples/iwslt14_de_en/eval.sh RUN_DIR
 #
-# Averages the last AVG_LAST (default 10) checkpointN.pt of RUN_DIR with the package's
-# fairseq-admin-average-checkpoints (CHECKPOINT_UPPER_BOUND=N: only epochs <= N), then
-# fairseq-generate on the test set with beam 5, length penalty 1
-# (Transformer-Clinic eval_iwslt_de-en.sh).
-# Prints tokenized BLEU on the lowercased Moses-tokenized text (the papers' number, as
-# fairseq-generate computes it) and detokenized, case-insensitive sacreBLEU against the raw
-# reference with its signature.
+# Follows Transformer-Clinic's nmt-experiments/eval_iwslt_de-en.sh (the Admin paper's
+# scoring): average the last AVG_LAST (default 10) checkpointN.pt with N <= 90
+# (CHECKPOINT_UPPER_BOUND, default 90; "none" for no bound) with the package's
+# fairseq-admin-average-checkpoints, then fairseq-generate --beam 5 --batch-size 128
+# --remove-bpe (length penalty 1) on the test set. Clinic's script decodes in fp16
+# (EVAL_PRECISION=fp16 on a GPU); the default here is fp32.
+# Prints, in this order: tokenized BLEU on the lowercased Moses-tokenized text
+# (fairseq-generate's BLEU4, the number Clinic's script reports) and detokenized,
+# case-insensitive sacreBLEU against the raw reference with its signature.
 #
 # Environment: AVG_LAST, CHECKPOINT_UPPER_BOUND, CHECKPOINT (evaluate this file, no
 # averaging), BEAM, LENPEN, GEN_BATCH_SIZE (default 128), GEN_EXTRA_ARGS (appended to
-# fairseq-generate), DEVICE (gpu|cpu),
+# fairseq-generate, split like shell words), DEVICE (gpu|cpu),
 # EVAL_PRECISION (fp32|fp16, default fp32), DATA_DIR (default ./data/iwslt14_de_en).
 # Outputs in RUN_DIR/eval/: generate-test.<checkpoint>.txt, test.<checkpoint>.detok.en,
 # bleu.<checkpoint>.json.
@@ -24,7 +26,8 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then usage; exit 0; fi
 
 RUN_DIR="$(realpath -m "$1")"
 TASK=iwslt14_de_en; SRC=de; TGT=en
-BEAM_DEFAULT=5; LENPEN_DEFAULT=1.0; COMPOUND_SPLIT=0; LOWERCASE=1
+BEAM_DEFAULT=5; LENPEN_DEFAULT=1.0; UPPER_BOUND_DEFAULT=90; COMPOUND_SPLIT=0; LOWERCASE=1
+SCORING="Transformer-Clinic eval_iwslt_de-en.sh (the Admin paper's): last 10 epoch checkpoints <= epoch 90 averaged, beam 5, lenpen 1, tokenized BLEU"
 
 setup_tools
 recipe_eval

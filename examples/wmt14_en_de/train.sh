@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# WMT14 En-De: train Post-LN, Pre-LN or Admin with the published hyperparameters.
+# WMT14 En-De: train Post-LN, Pre-LN or Admin as Transformer-Clinic did.
 #
 #   examples/wmt14_en_de/train.sh SCHEME DEPTH [SEED]
-#     SCHEME  post-ln | pre-ln | admin                                  (default admin)
+#     SCHEME  post-ln | pre-ln | admin | admin-closed-form              (default admin)
 #     DEPTH   6l_6l | 12l_12l | 18l_18l | 60l_12l | 100l_100l           (default 6l_6l)
 #     SEED    default 1111 (Transformer-Clinic's)
+#
+# Schemes: admin is the paper's Admin (omega profiled on the first training batch as
+# Clinic's --init-type adaptive-profiling, then a trainable vector: --admin-init profile
+# --admin-profile-mode clinic --admin-omega parameter); post-ln and pre-ln are Clinic's
+# baselines. All three train with RAdam as Clinic (--optimizer radam --radam-early-steps
+# skip), so they differ in the residual alone. admin-closed-form is admin-torch's Admin
+# (--admin-init closed-form --admin-omega parameter) with Adam, as admin-torch trains it.
 #
 # Published recipe (Liu et al. 2020; Transformer-Clinic nmt-experiments/wmt14_en-de.md):
 # 4 GPUs x 8192 tokens x update-freq 1 = 32768 tokens per update, lr 1e-3, inverse_sqrt with
 # 8000 warmup updates from 1e-7, betas (0.9, 0.98), no clipping, dropout / attention /
-# activation dropout 0.1, no weight decay, label smoothing 0.1, shared embeddings, 100 epochs,
-# fp16. The optimizer is Adam: fairseq 0.12 has no RAdam (the paper's); OPTIMIZER=... changes it.
+# activation dropout 0.1, no weight decay, label smoothing 0.1, shared embeddings,
+# --max-update 500000 (Clinic) and --max-epoch 100 (its scoring averages epochs <= 100, so
+# later epochs cannot change the score), --min-lr 1e-09 (fairseq 0.12: --stop-min-lr; never
+# reached), --fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125, seed 1111.
 # 60l_12l: same recipe (the Very Deep Transformers paper's En-De batch is not restated here).
 # 100l_100l: admin-torch's 8 GPUs x 2048 tokens x 32 = 524288 tokens, 40 epochs.
 #
 # Environment (see examples/README.md): NUM_GPUS, GPUS_PER_NODE, NNODES, LAUNCHER
 # (local|torchrun|slurm), NODE_RANK, MASTER_ADDR, MASTER_PORT, MAX_TOKENS (update-freq is
-# derived), EFFECTIVE_BATCH, PRECISION (fp16|bf16|fp32), DEVICE (gpu|cpu), ADMIN_INIT
-# (default closed-form), ARCH, DATA_DIR / DATA_BIN, RUNS_DIR / RUN_DIR, KEEP_LAST_EPOCHS,
-# LOG_INTERVAL, EXTRA_ARGS (appended last, so they win), DRY_RUN=1 (print the command only).
+# derived), EFFECTIVE_BATCH, PRECISION (fp16|bf16|fp32), DEVICE (gpu|cpu), ARCH,
+# DATA_DIR / DATA_BIN, RUNS_DIR / RUN_DIR, KEEP_LAST_EPOCHS, LOG_INTERVAL, EXTRA_ARGS
+# (appended last, so they win; split like shell words: EXTRA_ARGS="--adam-betas '(0.9, 0.999)'"),
+# DRY_RUN=1 (print the command only).
 # The run goes to $RUNS_DIR/wmt14_en_de/<scheme>_<depth>_<seed>; an existing run is resumed.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common/lib.sh"
@@ -27,7 +37,8 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then usage; exit 0; fi
 SCHEME="${1:-admin}"; DEPTH="${2:-6l_6l}"; SEED="${3:-1111}"
 TASK=wmt14_en_de; SRC=en; TGT=de
 LR=1e-3; WARMUP=8000; DROPOUT=0.1; ATTENTION_DROPOUT=0.1; ACTIVATION_DROPOUT=0.1
-WEIGHT_DECAY=0.0; EFFECTIVE_BATCH_DEFAULT=32768; MAX_TOKENS_DEFAULT=8192; LENGTH=(--max-epoch 100)
+WEIGHT_DECAY=0.0; EFFECTIVE_BATCH_DEFAULT=32768; MAX_TOKENS_DEFAULT=8192
+LENGTH=(--max-update 500000 --max-epoch 100); STOP_FLAGS=(--stop-min-lr 1e-09)
 case "$DEPTH" in
   6l_6l | 12l_12l | 18l_18l | 60l_12l) ;;
   100l_100l) EFFECTIVE_BATCH_DEFAULT=524288; MAX_TOKENS_DEFAULT=2048; LENGTH=(--max-epoch 40) ;;

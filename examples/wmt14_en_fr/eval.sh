@@ -3,18 +3,18 @@
 #
 #   examples/wmt14_en_fr/eval.sh RUN_DIR
 #
-# Averages the last AVG_LAST (default 10) checkpointN.pt of RUN_DIR with the package's
-# fairseq-admin-average-checkpoints (CHECKPOINT_UPPER_BOUND=N: only epochs <= N), then
-# fairseq-generate on the test set with beam 5, length penalty 0.8
-# (Transformer-Clinic eval_wmt_en-fr.sh).
-# Prints tokenized BLEU on the Moses -a tokenized text with compound splitting (a-b ->
-# a ##AT##-##AT## b, the papers' number), the same without compound splitting
-# (fairseq-generate's number), and detokenized sacreBLEU against the raw newstest2014
-# reference with its signature.
+# Follows Transformer-Clinic's nmt-experiments/eval_wmt_en-fr.sh (the Admin paper's
+# scoring): average the last AVG_LAST (default 10) checkpointN.pt with N <= 50
+# (CHECKPOINT_UPPER_BOUND, default 50; "none" for no bound) with the package's
+# fairseq-admin-average-checkpoints, then fairseq-generate --beam 5 --lenpen 0.8
+# --batch-size 128 --remove-bpe on the test set.
+# Prints, in this order: tokenized BLEU on the Moses -a tokenized text (fairseq-generate's
+# BLEU4, the number Clinic's script reports) and detokenized sacreBLEU against the raw
+# newstest2014 reference with its signature.
 #
 # Environment: AVG_LAST, CHECKPOINT_UPPER_BOUND, CHECKPOINT (evaluate this file, no
 # averaging), BEAM, LENPEN, GEN_BATCH_SIZE (default 128), GEN_EXTRA_ARGS (appended to
-# fairseq-generate), DEVICE (gpu|cpu),
+# fairseq-generate, split like shell words), DEVICE (gpu|cpu),
 # EVAL_PRECISION (fp32|fp16, default fp32), DATA_DIR (default ./data/wmt14_en_fr).
 # Outputs in RUN_DIR/eval/: generate-test.<checkpoint>.txt, test.<checkpoint>.detok.fr,
 # bleu.<checkpoint>.json.
@@ -25,7 +25,8 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then usage; exit 0; fi
 
 RUN_DIR="$(realpath -m "$1")"
 TASK=wmt14_en_fr; SRC=en; TGT=fr
-BEAM_DEFAULT=5; LENPEN_DEFAULT=0.8; COMPOUND_SPLIT=1; LOWERCASE=0
+BEAM_DEFAULT=5; LENPEN_DEFAULT=0.8; UPPER_BOUND_DEFAULT=50; COMPOUND_SPLIT=0; LOWERCASE=0
+SCORING="Transformer-Clinic eval_wmt_en-fr.sh (the Admin paper's): last 10 epoch checkpoints <= epoch 50 averaged, beam 5, lenpen 0.8, tokenized BLEU"
 
 setup_tools
 recipe_eval

@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# WMT14 En-Fr: train Post-LN, Pre-LN or Admin with the published hyperparameters.
+# WMT14 En-Fr: train Post-LN, Pre-LN or Admin as Transformer-Clinic did.
 #
 #   examples/wmt14_en_fr/train.sh SCHEME DEPTH [SEED]
-#     SCHEME  post-ln | pre-ln | admin                                  (default admin)
+#     SCHEME  post-ln | pre-ln | admin | admin-closed-form              (default admin)
 #     DEPTH   6l_6l | 60l_12l                                           (default 6l_6l)
 #     SEED    default 1111 (Transformer-Clinic's)
+#
+# Schemes: admin is the paper's Admin (--admin-init profile --admin-profile-mode clinic
+# --admin-omega parameter), post-ln and pre-ln Clinic's baselines; all three with RAdam as
+# Clinic (--optimizer radam --radam-early-steps skip), so they differ in the residual alone.
+# admin-closed-form: admin-torch's closed-form Admin with Adam.
 #
 # Published recipe (Liu et al. 2020; Liu, Liu & Gao 2020 for 60L-12L; Transformer-Clinic
 # nmt-experiments/wmt14_en-fr.md): lr 7e-4, inverse_sqrt with 8000 warmup updates from 1e-7,
 # betas (0.9, 0.98), no clipping, dropout / attention / activation dropout 0.1, no weight
-# decay, label smoothing 0.1, shared embeddings, 50 epochs, fp16; batch
+# decay, label smoothing 0.1, shared embeddings, 50 epochs, --min-lr 1e-09 (fairseq 0.12:
+# --stop-min-lr; never reached), --fp16 --fp16-scale-window 256 --threshold-loss-scale
+# 0.03125, seed 1111; batch
 #   6l_6l    8 GPUs x 8000 tokens x 10 = 640000 tokens per update
 #   60l_12l 16 GPUs x 5000 tokens x 16 = 1280000 tokens per update
-# The optimizer is Adam: fairseq 0.12 has no RAdam (the paper's); OPTIMIZER=... changes it.
 #
 # Environment (see examples/README.md): NUM_GPUS, GPUS_PER_NODE, NNODES, LAUNCHER
 # (local|torchrun|slurm), NODE_RANK, MASTER_ADDR, MASTER_PORT, MAX_TOKENS (update-freq is
-# derived), EFFECTIVE_BATCH, PRECISION (fp16|bf16|fp32), DEVICE (gpu|cpu), ADMIN_INIT
-# (default closed-form), ARCH, DATA_DIR / DATA_BIN, RUNS_DIR / RUN_DIR, KEEP_LAST_EPOCHS,
-# LOG_INTERVAL, EXTRA_ARGS (appended last, so they win), DRY_RUN=1 (print the command only).
+# derived), EFFECTIVE_BATCH, PRECISION (fp16|bf16|fp32), DEVICE (gpu|cpu), ARCH,
+# DATA_DIR / DATA_BIN, RUNS_DIR / RUN_DIR, KEEP_LAST_EPOCHS, LOG_INTERVAL, EXTRA_ARGS
+# (appended last, so they win; split like shell words), DRY_RUN=1 (print the command only).
 # The run goes to $RUNS_DIR/wmt14_en_fr/<scheme>_<depth>_<seed>; an existing run is resumed.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../common/lib.sh"
@@ -27,7 +33,7 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then usage; exit 0; fi
 SCHEME="${1:-admin}"; DEPTH="${2:-6l_6l}"; SEED="${3:-1111}"
 TASK=wmt14_en_fr; SRC=en; TGT=fr
 LR=7e-4; WARMUP=8000; DROPOUT=0.1; ATTENTION_DROPOUT=0.1; ACTIVATION_DROPOUT=0.1
-WEIGHT_DECAY=0.0; LENGTH=(--max-epoch 50)
+WEIGHT_DECAY=0.0; LENGTH=(--max-epoch 50); STOP_FLAGS=(--stop-min-lr 1e-09)
 case "$DEPTH" in
   6l_6l) EFFECTIVE_BATCH_DEFAULT=640000; MAX_TOKENS_DEFAULT=8000 ;;
   60l_12l) EFFECTIVE_BATCH_DEFAULT=1280000; MAX_TOKENS_DEFAULT=5000 ;;

@@ -42,6 +42,13 @@ exactly 0 at every depth (the scalars themselves are perturbed relative to their
 The plot cannot draw 0 on a log axis and lists such a variant in the legend instead.
 ``--variants`` defaults to the Admin comparison (Post-LN, Pre-LN, Admin closed-form and
 profiled); ``all`` adds the rivals.
+
+``--checkpoint CKPT`` measures a trained model instead: the same output change for the
+checkpoint's weights and for the model training started from (the checkpoint's flags,
+built with its ``--seed`` the way ``fairseq-train`` builds it), on the same batches and
+perturbations, and the shortcut weights of every sub-layer (mean, min, max over Admin's
+omega vectors; ReZero's scalars; the scaled sinusoid's scale) at initialisation and in the
+checkpoint. It writes ``checkpoint_output_change.csv`` and ``checkpoint_weights.csv``.
 """
 from __future__ import annotations
 
@@ -113,6 +120,18 @@ def _shortcut_weights(modules) -> List[float]:
             for m in modules]
 
 PERTURB_CHOICES = ("branches", "all")
+
+#: flag -> (attribute, default) of the flags that describe the models the depth study builds;
+#: --checkpoint refuses them (its model is the checkpoint's)
+MODEL_FLAGS = {
+    "--embed-dim": ("embed_dim", 64),
+    "--ffn-dim": ("ffn_dim", 256),
+    "--heads": ("heads", 4),
+    "--depths": ("depths", "6,12,18,36,60"),
+    "--decoder-layers": ("decoder_layers", "same"),
+    "--variants": ("variants", ",".join(DEFAULT_VARIANTS)),
+    "--vocab": ("vocab", 200),
+}
 
 
 # --------------------------------------------------------------------------------------- #
@@ -251,16 +270,26 @@ def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fairseq-admin-analyze",
         description="Omegas and output change |F(x,W)-F(x,W+delta)|^2/|F|^2 at initialisation "
-        "for Post-LN, Pre-LN and Admin admin_transformer models of several depths.",
+        "for Post-LN, Pre-LN and Admin admin_transformer models of several depths, or "
+        "(--checkpoint) of a trained checkpoint next to the model it started from.",
     )
-    p.add_argument("--embed-dim", type=int, default=64, help="model width d (default 64)")
-    p.add_argument("--ffn-dim", type=int, default=256, help="FFN inner size (default 256)")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    p.add_argument("--depths", default="6,12,18,36,60",
+    # the model-describing flags default to None so that --checkpoint can refuse them when
+    # given; check_args fills in the defaults named in their help
+    p.add_argument("--checkpoint", metavar="CKPT", default=None,
+                   help="a trained admin_transformer checkpoint (fairseq-train's checkpoint*.pt): "
+                   "measure its output change and print its omegas per sub-layer, next to the "
+                   "same model freshly initialised (the checkpoint's flags and seed). The batch "
+                   "is random tokens of the checkpoint's dictionaries, or --data's. The flags "
+                   "that describe models to build (" + ", ".join(MODEL_FLAGS) + ") do not "
+                   "apply")
+    p.add_argument("--embed-dim", type=int, default=None, help="model width d (default 64)")
+    p.add_argument("--ffn-dim", type=int, default=None, help="FFN inner size (default 256)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (default 4)")
+    p.add_argument("--depths", default=None,
                    help="comma-separated encoder depths N (default 6,12,18,36,60)")
-    p.add_argument("--decoder-layers", default="same",
+    p.add_argument("--decoder-layers", default=None,
                    help="decoder depth: 'same' (= each N, default) or a fixed integer")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+    p.add_argument("--variants", default=None,
                    help=f"comma-separated subset of: {', '.join(VARIANTS)}, or all "
                    f"(default: {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--perturbation", type=float, default=1e-2,
@@ -274,10 +303,11 @@ def get_parser() -> argparse.ArgumentParser:
                    help="sentences in the random input batch (default 16)")
     p.add_argument("--max-len", type=int, default=20,
                    help="longest random sentence, tokens (default 20; lengths N/2..N)")
-    p.add_argument("--vocab", type=int, default=200, help="random vocabulary size (default 200)")
+    p.add_argument("--vocab", type=int, default=None, help="random vocabulary size (default 200)")
     p.add_argument("--data", default=None,
                    help="binarized fairseq data folder: take the input batch from it instead "
-                   "of random tokens")
+                   "of random tokens (with --checkpoint: also the folder of the checkpoint's "
+                   "dictionaries, instead of the one it was trained from)")
     p.add_argument("--subset", default="valid", help="--data subset (default valid)")
     p.add_argument("--max-tokens", type=int, default=1024,
                    help="--data batch size in tokens (default 1024)")
@@ -288,6 +318,21 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args) -> None:
+    given = [flag for flag, (attr, _) in MODEL_FLAGS.items() if getattr(args, attr) is not None]
+    if args.checkpoint is not None:
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} cannot be combined with --checkpoint: these flags describe "
+                "the models the depth study builds, --checkpoint measures the checkpoint's own "
+                "model (drop them)")
+        args.seed_list = _int_list(args.seeds, "--seeds")
+        _check_measurement_args(args)
+        if not os.path.isfile(args.checkpoint):
+            raise ValueError(f"--checkpoint {args.checkpoint!r}: no such file")
+        return
+    for attr, default in MODEL_FLAGS.values():
+        if getattr(args, attr) is None:
+            setattr(args, attr, default)
     args.depth_list = _int_list(args.depths, "--depths")
     args.seed_list = _int_list(args.seeds, "--seeds")
     if args.decoder_layers != "same":
@@ -305,15 +350,22 @@ def check_args(args) -> None:
         raise ValueError(f"--variants {', '.join(bad) or repr(args.variants)} not valid; valid "
                          f"choices: {', '.join(VARIANTS)}")
     for flag, value in (("--embed-dim", args.embed_dim), ("--ffn-dim", args.ffn_dim),
-                        ("--heads", args.heads), ("--trials", args.trials),
-                        ("--batch-size", args.batch_size), ("--max-len", args.max_len),
-                        ("--max-tokens", args.max_tokens)):
+                        ("--heads", args.heads)):
         if value < 1:
             raise ValueError(f"{flag} must be a positive integer; got {value}")
     if args.embed_dim % args.heads:
         raise ValueError(f"--embed-dim {args.embed_dim} must be divisible by --heads {args.heads}")
     if args.vocab < 2:
         raise ValueError(f"--vocab must be at least 2; got {args.vocab}")
+    _check_measurement_args(args)
+
+
+def _check_measurement_args(args) -> None:
+    # the flags of the measurement itself, shared by both modes
+    for flag, value in (("--trials", args.trials), ("--batch-size", args.batch_size),
+                        ("--max-len", args.max_len), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} must be a positive integer; got {value}")
     if not (args.perturbation > 0 and math.isfinite(args.perturbation)):
         raise ValueError(f"--perturbation must be a positive number; got {args.perturbation}")
     if args.data is not None and not os.path.isdir(args.data):
@@ -357,6 +409,220 @@ def run_analysis(args) -> List[Result]:
                             enc, dec)
                 del model
     return results
+
+
+# --------------------------------------------------------------------------------------- #
+# a trained checkpoint (--checkpoint)
+# --------------------------------------------------------------------------------------- #
+@dataclass
+class CheckpointChange:
+    """Output change of one model (``initialisation`` or ``checkpoint``) on one seed's batch."""
+
+    model: str
+    seed: int
+    encoder_change: float
+    decoder_change: float
+
+
+@dataclass
+class WeightRow:
+    """One trained or fixed weight of the checkpoint next to its initial value: ``weight`` is
+    ``omega`` (Admin's or DeepNorm's shortcut weight), ``rezero`` (ReZero's branch scalar a)
+    or ``pos_scale`` (the scaled sinusoid's scale); mean/min/max over the vector."""
+
+    stack: str
+    layer: str
+    sublayer: str
+    weight: str
+    init: float
+    mean: float
+    min: float
+    max: float
+
+
+@dataclass
+class CheckpointReport:
+    """What ``--checkpoint`` measured: a one-line description of the checkpoint, the output
+    changes per model and seed, and the weights per sub-layer."""
+
+    path: str
+    description: str
+    changes: List[CheckpointChange]
+    weights: List[WeightRow]
+
+
+def _checkpoint_error(path: str, what: str) -> ValueError:
+    return ValueError(f"--checkpoint {path!r}: {what}")
+
+
+def load_checkpoint(path: str, data: Optional[str] = None):
+    """``(init_model, model, task, cfg, num_updates)`` for an ``admin_transformer`` checkpoint:
+    ``model`` holds the checkpoint's weights, ``init_model`` is the same configuration built
+    afresh with the checkpoint's ``--seed`` the way ``fairseq-train`` builds it (seed, then
+    ``task.build_model``), i.e. the model that training started from. Both float32, eval mode.
+    ``data`` replaces the checkpoint's data folder. Errors name ``--checkpoint``."""
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.models import ARCH_MODEL_REGISTRY
+
+    from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
+
+    if not os.path.isfile(path):
+        raise _checkpoint_error(path, "no such file")
+    try:
+        state = checkpoint_utils.load_checkpoint_to_cpu(
+            path, arg_overrides={"data": data} if data is not None else None)
+    except Exception as e:  # not a torch file, a truncated one, a foreign pickle
+        raise _checkpoint_error(path, f"not a checkpoint torch.load can read ({type(e).__name__}: "
+                                f"{e})") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise _checkpoint_error(path, "not a fairseq checkpoint (no 'model' entry)")
+    if state.get("args") is not None:
+        cfg = convert_namespace_to_omegaconf(state["args"])
+    elif state.get("cfg") is not None:
+        cfg = state["cfg"]
+    else:
+        raise _checkpoint_error(path, "not a fairseq checkpoint (neither 'cfg' nor 'args')")
+    arch = getattr(cfg.model, "arch", None) or getattr(cfg.model, "_name", None)
+    cls = ARCH_MODEL_REGISTRY.get(arch)
+    if cls is None or not issubclass(cls, AdminTransformerModel):
+        raise _checkpoint_error(
+            path, f"holds a {arch!r} model; --checkpoint needs an admin_transformer checkpoint "
+            "(fairseq-train --user-dir fairseq_admin_pos --arch admin_transformer*)")
+    try:
+        task = tasks.setup_task(cfg.task, from_checkpoint=True)
+    except Exception as e:  # the data folder (dictionaries) moved or is gone
+        raise _checkpoint_error(
+            path, f"cannot set up its task from the data folder {cfg.task.data!r} "
+            f"({type(e).__name__}: {e}); pass --data FOLDER with its dictionaries") from None
+    utils.set_torch_seed(cfg.common.seed)
+    init_model = task.build_model(cfg.model)
+    model = task.build_model(cfg.model, from_checkpoint=True)
+    model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
+    history = state.get("optimizer_history") or [{}]
+    num_updates = history[-1].get("num_updates")
+    return init_model.float().eval(), model.float().eval(), task, cfg, num_updates
+
+
+def _sublayer_labels(stack: str, modules: Sequence, n_layers: int) -> List[Tuple[int, str]]:
+    # residual_stacks lists each layer's sub-layers in execution order
+    if stack == "encoder" or len(modules) == 2 * n_layers:  # no cross-attention
+        names = ("self-attn", "ffn")
+    else:
+        names = ("self-attn", "enc-attn", "ffn")
+    return [(i // len(names), names[i % len(names)]) for i in range(len(modules))]
+
+
+def _weight_of(module) -> Tuple[str, Optional[torch.Tensor]]:
+    if hasattr(module, "omega"):
+        return "omega", module.omega
+    return "rezero", getattr(module, "alpha", None)
+
+
+def weight_rows(init_model, model) -> List[WeightRow]:
+    """The shortcut weights of every sub-layer and the scaled sinusoid's scales, checkpoint
+    against initialisation."""
+    from fairseq_admin_pos.models.positions import ScaledSinusoidalPositions
+
+    def stats(t: torch.Tensor) -> Tuple[float, float, float]:
+        t = t.detach().double().reshape(-1)
+        return t.mean().item(), t.min().item(), t.max().item()
+
+    rows = []
+    init_stacks = admin_profile.residual_stacks(init_model)
+    stacks = admin_profile.residual_stacks(model)
+    for stack, modules in stacks.items():
+        labels = _sublayer_labels(stack, modules, len(getattr(model, stack).layers))
+        for (layer, sub), m0, m1 in zip(labels, init_stacks[stack], modules):
+            kind, w1 = _weight_of(m1)
+            _, w0 = _weight_of(m0)
+            if w1 is None:
+                continue
+            rows.append(WeightRow(stack, str(layer), sub, kind, stats(w0)[0], *stats(w1)))
+    for stack in ("encoder", "decoder"):
+        pos0 = getattr(getattr(init_model, stack), "embed_positions", None)
+        pos1 = getattr(getattr(model, stack), "embed_positions", None)
+        if isinstance(pos1, ScaledSinusoidalPositions):
+            rows.append(WeightRow(stack, "", "positions", "pos_scale",
+                                  stats(pos0.embed.scaling)[0], *stats(pos1.embed.scaling)))
+    return rows
+
+
+def _describe(path: str, cfg, init_model, num_updates) -> str:
+    m = cfg.model
+    settings = init_model.admin_settings
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()
+                     if v is not None)
+    return (f"{path}: {getattr(m, 'arch', None) or getattr(m, '_name', None)}, "
+            f"{len(init_model.encoder.layers)}L encoder / {len(init_model.decoder.layers)}L "
+            f"decoder, {flags}; {num_updates} updates (training seed {cfg.common.seed})")
+
+
+def run_checkpoint_analysis(args) -> CheckpointReport:
+    """Output change and shortcut weights of ``--checkpoint`` and of the same model at
+    initialisation, on the same batch(es) and the same perturbations."""
+    check_args(args)
+    init_model, model, task, cfg, num_updates = load_checkpoint(args.checkpoint, args.data)
+    batches = {seed: (random_batch(task, args.batch_size, args.max_len, seed)
+                      if args.data is None else
+                      data_batch(task, args.subset, args.max_tokens, seed))
+               for seed in args.seed_list}
+    if init_model.admin_settings["admin_init"] == "profile":
+        # what --admin-init profile does on the first training batch, here on the first batch
+        _profile(init_model, batches[args.seed_list[0]])
+    changes = []
+    for seed, net_input in batches.items():
+        for name, m in (("initialisation", init_model), ("checkpoint", model)):
+            enc, dec = output_change(m, net_input, args.perturbation, args.trials, args.perturb,
+                                     seed=1000 * seed + 7)
+            changes.append(CheckpointChange(name, seed, enc, dec))
+            logger.info("%s seed=%d: encoder %.4g decoder %.4g", name, seed, enc, dec)
+    description = _describe(args.checkpoint, cfg, init_model, num_updates)
+    return CheckpointReport(args.checkpoint, description, changes, weight_rows(init_model, model))
+
+
+def write_checkpoint_csvs(report: CheckpointReport, out_dir: str) -> Tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    change_path = os.path.join(out_dir, "checkpoint_output_change.csv")
+    with open(change_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "seed", "encoder_change", "decoder_change"])
+        for c in report.changes:
+            w.writerow([c.model, c.seed, f"{c.encoder_change:.6e}", f"{c.decoder_change:.6e}"])
+    weight_path = os.path.join(out_dir, "checkpoint_weights.csv")
+    with open(weight_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["stack", "layer", "sublayer", "weight", "init", "mean", "min", "max"])
+        for r in report.weights:
+            w.writerow([r.stack, r.layer, r.sublayer, r.weight,
+                        *(f"{v:.6f}" for v in (r.init, r.mean, r.min, r.max))])
+    return change_path, weight_path
+
+
+def checkpoint_table(report: CheckpointReport, args) -> str:
+    lines = [f"checkpoint {report.description}", ""]
+    mean = {}
+    for name in ("initialisation", "checkpoint"):
+        rows = [c for c in report.changes if c.model == name]
+        mean[name] = (sum(c.encoder_change for c in rows) / len(rows),
+                      sum(c.decoder_change for c in rows) / len(rows))
+    lines.append(f"output change |F(x,W)-F(x,W+delta)|^2/|F(x,W)|^2, eps={args.perturbation:g} "
+                 f"({args.perturb}), {args.trials} trial(s) x {len(args.seed_list)} batch(es):")
+    lines.append(f"{'model':<16}{'encoder':>12}{'decoder':>12}")
+    for name, (e, d) in mean.items():
+        lines.append(f"{name:<16}{e:>12.3e}{d:>12.3e}")
+    ratio = [c / i if i > 0 else float("nan") for c, i in zip(mean["checkpoint"],
+                                                                mean["initialisation"])]
+    lines.append(f"{'checkpoint/init':<16}{ratio[0]:>11.2f}x{ratio[1]:>11.2f}x")
+    lines.append("")
+    lines.append("weights (omega: LN(x * omega + f(x)); rezero: x + a * f(x); pos_scale: scaled "
+                 "sinusoid), initialisation and checkpoint (mean, min, max over the vector):")
+    lines.append(f"{'stack':<8}{'layer':>6}  {'sublayer':<10}{'weight':<10}"
+                 f"{'init':>9}{'mean':>9}{'min':>9}{'max':>9}")
+    for r in report.weights:
+        lines.append(f"{r.stack:<8}{r.layer:>6}  {r.sublayer:<10}{r.weight:<10}"
+                     f"{r.init:>9.4f}{r.mean:>9.4f}{r.min:>9.4f}{r.max:>9.4f}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------------------- #
@@ -496,6 +762,16 @@ def cli_main(argv: Optional[Sequence[str]] = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     parser = get_parser()
     args = parser.parse_args(argv)
+    if args.checkpoint is not None:
+        try:
+            report = run_checkpoint_analysis(args)
+        except ValueError as e:
+            parser.error(str(e))
+        paths = write_checkpoint_csvs(report, args.out_dir)
+        print(checkpoint_table(report, args))
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
     try:
         results = run_analysis(args)
     except ValueError as e:

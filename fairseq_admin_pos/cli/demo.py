@@ -51,9 +51,11 @@ SCHEMES = {
     # admin-torch's O(logn) closed form, omega a trainable vector (admin-torch's best setting)
     "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
     # the paper's Admin as Transformer-Clinic runs it: profiled on the first batch in training
-    # mode (dropout on, padding counted), a trainable omega vector, RAdam
+    # mode (dropout on, padding counted), a trainable omega vector, RAdam with Clinic's first
+    # steps (weight decay only while the variance is not yet tractable)
     "admin-paper": ["--admin-init", "profile", "--admin-profile-mode", "clinic",
-                    "--admin-omega", "parameter", "--optimizer", "radam"],
+                    "--admin-omega", "parameter", "--optimizer", "radam",
+                    "--radam-early-steps", "skip"],
     # DeepNet (Wang et al. 2022): LN(alpha x + f(x)) with beta-scaled initialisation
     "deepnorm": ["--admin-residual", "deepnorm"],
 }

@@ -10,11 +10,14 @@ omega comes from ``--admin-init``:
   with N the number of residual sub-layers of that stack: ``2 * encoder_layers`` for every
   encoder omega, ``3 * decoder_layers`` for every decoder omega (2 per layer without
   encoder attention);
-* ``profile``: Admin's profiling initialisation (the paper's own Admin): omega = 1 until the
-  first training forward, which measures the sub-layer output variances on the first
-  ``--admin-profile-batches`` batches (summed over data-parallel ranks), sets the omegas and
-  the persistent ``admin_profiled`` flag, then trains on; see ``models/admin_profile.py``
-  and ``fairseq_admin_pos/profiling.py``;
+* ``profile``: Admin's profiling initialisation (the paper's own Admin): omega = 1 until
+  just before the first update, when the sub-layer output variances of the first training
+  batch are measured the way ``--admin-profile-mode`` says (``clinic``, the default:
+  Transformer-Clinic's training-mode pass; ``eval``: dropout-free, over the first
+  ``--admin-profile-batches`` batches), summed over data-parallel ranks, the omegas and the
+  persistent ``admin_profiled`` flag are set, and training goes on; a profile file given
+  with ``--admin-profile-path`` is checked when the model is built. See
+  ``models/admin_profile.py`` and ``fairseq_admin_pos/profiling.py``;
 * ``none``: omega = 1, which with ``--admin-omega buffer`` is exactly fairseq's ``transformer``
   (same parameters for the same seed, same loss, same translations).
 
@@ -49,9 +52,11 @@ silently running with other omegas or positions.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Dict
 
 import torch.nn as nn
+from omegaconf import OmegaConf
 
 from fairseq import utils
 from fairseq.distributed import fsdp_wrap
@@ -67,11 +72,14 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from fairseq_admin_pos.admin import calculate_init
 from fairseq_admin_pos.models import admin_profile
+from fairseq_admin_pos.models import config as model_config
 from fairseq_admin_pos.models.layers import (
     AdminTransformerDecoderLayer,
     AdminTransformerEncoderLayer,
+    HostSyncFreeDecoderBase,
+    HostSyncFreeEncoderBase,
 )
-from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, build_positions
+from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, SCALED_TABLES, build_positions
 from fairseq_admin_pos.schemes import (
     RESIDUAL_SCHEMES,
     Float32OmegaResidual,
@@ -94,6 +102,9 @@ SETTING_KEYS = (
     "admin_omega",
     "encoder_pos_emb",
     "decoder_pos_emb",
+    "pos_emb_scaled_table",
+    "pos_emb_scale_init",
+    "admin_profile_mode",
 )
 
 
@@ -116,8 +127,31 @@ def admin_settings(cfg) -> Dict[str, str]:
         "admin_omega": _choice(cfg, "admin_omega", OMEGA_FORMS),
         "encoder_pos_emb": _choice(cfg, "encoder_pos_emb", POS_EMB_CHOICES),
         "decoder_pos_emb": _choice(cfg, "decoder_pos_emb", POS_EMB_CHOICES),
+        # None unless a side uses scaled-sinusoid positions (resolve_position_flags)
+        "pos_emb_scaled_table": getattr(cfg, "pos_emb_scaled_table", None),
+        "pos_emb_scale_init": getattr(cfg, "pos_emb_scale_init", None),
+        # None unless --admin-init profile (then clinic or eval)
+        "admin_profile_mode": admin_profile.profile_mode(cfg),
     }
     return settings
+
+
+def check_layer_counts(args) -> None:
+    """Negative layer counts are refused (fairseq would silently build an empty stack).
+    0 is fairseq's own embedding-only stack and stays allowed where it means something:
+    not with DeepNorm (its constants need N, M >= 1) nor with profiling (nothing to profile
+    in that stack; :func:`admin_profile.check_profile_flags`)."""
+    for side in ("encoder", "decoder"):
+        n = getattr(args, f"{side}_layers", None)
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"--{side}-layers must be a non-negative integer; got {n!r}")
+        if n == 0 and residual_scheme(args) == "deepnorm":
+            raise ValueError(
+                f"--{side}-layers 0 cannot be combined with --admin-residual deepnorm: DeepNet's "
+                "constants (N^4 M)^(1/16) need at least one encoder and one decoder layer"
+            )
 
 
 def num_residual_sublayers(cfg, side: str) -> int:
@@ -188,8 +222,9 @@ def _wrap_layer(cfg, layer: nn.Module) -> nn.Module:
     return fsdp_wrap(layer, min_num_params=min_params_to_wrap)
 
 
-class AdminTransformerEncoder(TransformerEncoderBase):
-    """fairseq's Transformer encoder with Admin residuals and the chosen positions."""
+class AdminTransformerEncoder(HostSyncFreeEncoderBase):
+    """fairseq's Transformer encoder with Admin residuals and the chosen positions (its
+    forward reads nothing back to the host, see ``layers.HostSyncFreeEncoderBase``)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
@@ -201,6 +236,8 @@ class AdminTransformerEncoder(TransformerEncoderBase):
                 cfg.max_source_positions,
                 embed_tokens.embedding_dim,
                 self.padding_idx,
+                scaled_table=getattr(cfg, "pos_emb_scaled_table", None),
+                scale_init=getattr(cfg, "pos_emb_scale_init", None),
             )
 
     def build_encoder_layer(self, cfg):
@@ -213,8 +250,9 @@ class AdminTransformerEncoder(TransformerEncoderBase):
         return _wrap_layer(cfg, _scheme_layer(cfg, "encoder", layer))
 
 
-class AdminTransformerDecoder(TransformerDecoderBase):
-    """fairseq's Transformer decoder with Admin residuals and the chosen positions."""
+class AdminTransformerDecoder(HostSyncFreeDecoderBase):
+    """fairseq's Transformer decoder with Admin residuals and the chosen positions (its
+    forward reads nothing back to the host, see ``layers.HostSyncFreeDecoderBase``)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(
@@ -230,6 +268,8 @@ class AdminTransformerDecoder(TransformerDecoderBase):
                 cfg.max_target_positions,
                 cfg.decoder.embed_dim,
                 self.padding_idx,
+                scaled_table=getattr(cfg, "pos_emb_scaled_table", None),
+                scale_init=getattr(cfg, "pos_emb_scale_init", None),
             )
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
@@ -279,6 +319,43 @@ def resolve_position_flags(args) -> None:
     args.no_token_positional_embeddings = (
         args.encoder_pos_emb == "none" and args.decoder_pos_emb == "none"
     )
+    resolve_scaled_position_flags(args)
+
+
+def resolve_scaled_position_flags(args) -> None:
+    """``--pos-emb-scaled-table`` / ``--pos-emb-scale-init`` configure ``scaled-sinusoidal``
+    positions only: refused (naming both flags) when no side uses them, validated, and the
+    table defaulted to ``interleaved``; both stay None otherwise."""
+    table = getattr(args, "pos_emb_scaled_table", None)
+    scale = getattr(args, "pos_emb_scale_init", None)
+    if "scaled-sinusoidal" not in (args.encoder_pos_emb, args.decoder_pos_emb):
+        given = [f"--pos-emb-scaled-table {table}" if table is not None else None,
+                 f"--pos-emb-scale-init {scale}" if scale is not None else None]
+        given = [g for g in given if g]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} only apply to scaled-sinusoid positions, but "
+                f"--encoder-pos-emb is {args.encoder_pos_emb} and --decoder-pos-emb is "
+                f"{args.decoder_pos_emb}; use --encoder-pos-emb/--decoder-pos-emb "
+                "scaled-sinusoidal or drop --pos-emb-scaled-table/--pos-emb-scale-init"
+            )
+        args.pos_emb_scaled_table = None
+        args.pos_emb_scale_init = None
+        return
+    if table is None:
+        table = "interleaved"
+    elif table not in SCALED_TABLES:
+        raise ValueError(
+            f"--pos-emb-scaled-table {table!r} is not valid; valid choices: "
+            f"{', '.join(SCALED_TABLES)}"
+        )
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not math.isfinite(scale):
+            raise ValueError(f"--pos-emb-scale-init must be a finite number; got {scale!r}")
+        scale = float(scale)
+    args.pos_emb_scaled_table = table
+    args.pos_emb_scale_init = scale
 
 
 def check_normalize_before(args) -> None:
@@ -392,18 +469,44 @@ class AdminTransformerModel(TransformerModel):
                 f"--{side}-pos-emb",
                 choices=POS_EMB_CHOICES,
                 help=f"{side} absolute positions: sinusoidal = fairseq's table; "
-                "scaled-sinusoidal = sinusoid times a learnable scalar initialised to "
-                "1/sqrt(d) (FLASH, arXiv 2202.10447); learned = fairseq's learned table; "
+                "scaled-sinusoidal = a sinusoid table (--pos-emb-scaled-table) times a "
+                "learnable scalar (--pos-emb-scale-init) (FLASH, arXiv 2202.10447); "
+                "learned = fairseq's learned table; "
                 f"none = no positions. Default: from --{side}-learned-pos / "
                 "--no-token-positional-embeddings, else sinusoidal",
             )
+        group.add_argument(
+            "--pos-emb-scaled-table",
+            choices=tuple(SCALED_TABLES),
+            help="table of scaled-sinusoidal positions (both sides): interleaved = Vaswani's "
+            "sin/cos pairs of one frequency in adjacent columns, exponent 2*floor(i/2)/d; "
+            "seed = the seed module's table, exponent 2*i/d per column; fairseq = exactly "
+            "the sinusoidal choice's table ([sin | cos] halves, spacing ln(10000)/(d/2 - 1)). "
+            "Only with --encoder-pos-emb/--decoder-pos-emb scaled-sinusoidal. "
+            "Default: interleaved",
+        )
+        group.add_argument(
+            "--pos-emb-scale-init",
+            type=float,
+            metavar="FLOAT",
+            help="initial value of the learnable scalar of scaled-sinusoidal positions (both "
+            "sides). fairseq multiplies tokens by sqrt(d), so 1/sqrt(d) starts positions "
+            "about sqrt(d) times weaker than fairseq's sinusoid; 1 with "
+            "--pos-emb-scaled-table fairseq starts exactly at the sinusoidal model. "
+            "Default: 1/sqrt(d), the seed's",
+        )
         admin_profile.add_profile_args(group)
 
     @classmethod
     def build_model(cls, args, task):
+        if OmegaConf.is_config(args):
+            # fairseq-hydra-train's model section (or a checkpoint it wrote): the namespace
+            # fairseq-train would have built, architecture defaults applied (models/config.py)
+            args = model_config.namespace_from_config(args, AdminTransformerConfig)
         admin_base_architecture(args)
         resolve_position_flags(args)
         admin_settings(args)  # validates every choice with a message naming the flag
+        check_layer_counts(args)
         check_normalize_before(args)
         check_residual_scheme(args)
         admin_profile.check_profile_flags(args)
@@ -449,6 +552,13 @@ class AdminTransformerModel(TransformerModel):
                 "than the flags given (" + "; ".join(diffs) + "). Pass the checkpoint's "
                 "settings, or start a new run instead of --restore-file/resume."
             )
+
+
+# the same settings as a config dataclass, generated from add_args: what fairseq-hydra-train's
+# model section is checked against (models/config.py says why fairseq's registry is not used)
+AdminTransformerConfig = model_config.config_dataclass(
+    "AdminTransformerConfig", AdminTransformerModel.add_args
+)
 
 
 # -- architectures ----------------------------------------------------------------------

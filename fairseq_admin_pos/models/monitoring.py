@@ -1,0 +1,265 @@
+"""Training you can watch: per-stack shortcut weights and gradient norms in fairseq's logs.
+
+Deep models fail slowly: an omega that drifts, a decoder whose gradient norm climbs while
+the total looks fine. For every ``admin_transformer`` trained by ``fairseq-train`` this
+module logs, through fairseq's ``metrics`` (so they appear in the ``train_inner`` lines,
+the epoch summary, ``--log-format json`` and ``--tensorboard-logdir``):
+
+=========================================  ==============================================
+``enc_gnorm``, ``dec_gnorm``               gradient norm of the encoder / decoder
+                                           parameters, token embeddings excluded
+``emb_gnorm``                              gradient norm of the token embeddings and the
+                                           output projection (a shared matrix counts once)
+``enc_omega_mean``, ``_min``, ``_max``     trainable Admin omegas (``--admin-omega
+(``dec_omega_*``)                          parameter``): over every element of every
+                                           omega vector of the stack
+``enc_rezero_mean``, ``_min``, ``_max``    ReZero's branch scalars ``a``
+(``dec_rezero_*``)                         (``--admin-residual rezero``/``rezero-post-ln``)
+``enc_pos_scale``, ``dec_pos_scale``       the scaled sinusoid's scale
+                                           (``--*-pos-emb scaled-sinusoidal``)
+=========================================  ==============================================
+
+Only what exists and trains is logged: fixed omegas (``--admin-omega buffer``, profiled
+or closed form) and DeepNorm's alpha never change (``fairseq-admin-analyze --checkpoint``
+prints them).
+
+The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
+``gnorm``; ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²``. Embeddings are a group of
+their own because with ``--share-all-embeddings`` one matrix serves the encoder input, the
+decoder input and the output projection; counting it in a stack would make that stack's
+norm mostly the output projection's. The shortcut statistics are the values after the last
+update of the interval (or epoch), logged with ``weight=0`` like ``lr``, so the last
+``train_inner`` line before a checkpoint shows that checkpoint's weights. They are the values
+the model computes with (under ``--fp16`` the half-precision copy, not fairseq's float32
+master copy).
+
+How, without a host-device synchronisation per step (everything stays a tensor until
+fairseq prints the line): :func:`install` wraps two ``fairseq.trainer.Trainer`` methods,
+and only acts when the trainer's model is an ``AdminTransformerModel`` (not under FSDP,
+which flattens the parameters):
+
+* ``clip_grad_norm``: before fairseq's own, the raw norms ``||g||`` of each group and of
+  all parameters are computed from the gradients as they are then (under ``--fp16``/
+  ``--amp`` they may still carry the loss scale and fairseq's deferred ``1 / sample_size``;
+  in a data-parallel run they are already summed over ranks). fairseq returns the true
+  total norm ``gnorm``; every gradient carries the same factor, so ``gnorm * raw_group /
+  raw_total`` is the group's true norm exactly;
+* ``set_num_updates``: the trainer's runs after the optimizer step, and only when the update
+  was taken (not on an fp16/amp overflow); the group norms and the shortcut statistics are
+  logged there. (The *model's* ``set_num_updates`` runs before each forward, one update
+  behind, and never sees the last update.)
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from fairseq.logging import metrics
+from fairseq.trainer import Trainer
+
+from fairseq_admin_pos.models.admin_profile import residual_stacks
+from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
+from fairseq_admin_pos.models.positions import ScaledSinusoidalPositions
+from fairseq_admin_pos.schemes import ReZeroResidual
+
+STACK_PREFIX = {"encoder": "enc", "decoder": "dec"}
+#: second component of a parameter name that puts it in the ``emb`` group
+EMBEDDING_MODULES = ("embed_tokens", "output_projection")
+GRAD_GROUPS = ("enc", "dec", "emb")
+
+# fairseq prints a line's values in priority order: the group norms right after its gnorm
+# (400), the shortcut statistics after clip (500)
+_GNORM_PRIORITY = 401
+_SHORTCUT_PRIORITY = 600
+_GNORM_ROUND = 3  # as fairseq's gnorm
+_SHORTCUT_ROUND = 4
+_POS_SCALE_ROUND = 5  # starts at 1/sqrt(d): 0.0442 for d = 512
+
+
+def gradient_group(name: str) -> Optional[str]:
+    """``enc``/``dec``/``emb`` for a parameter name of the model, ``None`` outside both stacks.
+
+    ``encoder.embed_tokens.*``, ``decoder.embed_tokens.*`` and ``decoder.output_projection.*``
+    are ``emb``; every other ``encoder.*``/``decoder.*`` parameter (layers, positions,
+    LayerNorms) belongs to its stack.
+    """
+    parts = name.split(".")
+    if parts[0] not in STACK_PREFIX:
+        return None
+    if len(parts) > 1 and parts[1] in EMBEDDING_MODULES:
+        return "emb"
+    return STACK_PREFIX[parts[0]]
+
+
+def _trainable(module: nn.Module, attr: str) -> Optional[torch.Tensor]:
+    value = getattr(module, attr, None)
+    if isinstance(value, nn.Parameter) and value.requires_grad:
+        return value
+    return None
+
+
+# model -> (gradient groups, shortcut weights): walking the module tree costs tens of ms per
+# call for a 100L-100L model, so it is done once per model (fairseq never replaces a model's
+# parameters while training; FSDP, which does flatten them, is not monitored)
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _plan(model: nn.Module) -> dict:
+    plan = _PLANS.get(model)
+    if plan is None:
+        groups: Dict[str, List[nn.Parameter]] = {g: [] for g in GRAD_GROUPS}
+        rest: List[nn.Parameter] = []
+        for name, p in model.named_parameters():
+            if hasattr(p, "expert"):  # fairseq's gnorm leaves MoE expert params out
+                continue
+            group = gradient_group(name)
+            (groups[group] if group is not None else rest).append(p)
+        plan = _PLANS[model] = {"groups": groups, "rest": rest,
+                                "shortcuts": shortcut_values(model)}
+    return plan
+
+
+def shortcut_values(model: nn.Module) -> Dict[str, List[torch.Tensor]]:
+    """The trainable shortcut-side weights per metric stem: ``{"enc_omega": [omega vectors],
+    "dec_rezero": [a scalars], "enc_pos_scale": [scale], ...}``; absent when there are none."""
+    out: Dict[str, List[torch.Tensor]] = {}
+    for stack, modules in residual_stacks(model).items():
+        prefix = STACK_PREFIX[stack]
+        for m in modules:
+            if isinstance(m, ReZeroResidual):
+                p, stem = _trainable(m, "alpha"), f"{prefix}_rezero"
+            else:
+                p, stem = _trainable(m, "omega"), f"{prefix}_omega"
+            if p is not None:
+                out.setdefault(stem, []).append(p)
+    for stack, prefix in STACK_PREFIX.items():
+        positions = getattr(getattr(model, stack), "embed_positions", None)
+        if isinstance(positions, ScaledSinusoidalPositions):
+            scale = _trainable(positions.embed, "scaling")
+            if scale is not None:
+                out[f"{prefix}_pos_scale"] = [scale]
+    return out
+
+
+@torch.no_grad()
+def shortcut_stats(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``{"enc_omega_mean": t, "enc_omega_min": t, "enc_omega_max": t, ...,
+    "enc_pos_scale": t}``: 0-dim float32 tensors on the model's device (no host sync)."""
+    stats: Dict[str, torch.Tensor] = {}
+    for stem, params in _plan(model)["shortcuts"].items():
+        flat = torch.cat([p.detach().reshape(-1) for p in params]).float()
+        if stem.endswith("_pos_scale"):
+            stats[stem] = flat[0]
+            continue
+        lo, hi = torch.aminmax(flat)
+        stats[f"{stem}_mean"] = flat.mean()
+        stats[f"{stem}_min"] = lo
+        stats[f"{stem}_max"] = hi
+    return stats
+
+
+def _grads(params: Iterable[nn.Parameter]) -> List[torch.Tensor]:
+    return [p.grad.detach() for p in params if p.grad is not None]
+
+
+def _norm(grads: List[torch.Tensor], device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    # float32 norms: raw fp16 gradients carry the loss scale, their norm overflows fp16
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+@torch.no_grad()
+def raw_group_norms(model: nn.Module, extra_params: Iterable[nn.Parameter] = ()) -> Tuple[
+        Dict[str, torch.Tensor], torch.Tensor]:
+    """``({"enc": n, "dec": n, "emb": n}, total)``: L2 norms of the current ``.grad`` of each
+    group (:func:`gradient_group`) and of every gradient (``extra_params``, e.g. the
+    criterion's, count in the total only), float32 tensors, whatever scale the gradients
+    currently carry."""
+    plan = _plan(model)
+    groups = {k: _grads(v) for k, v in plan["groups"].items()}
+    rest = _grads(plan["rest"]) + _grads(p for p in extra_params if not hasattr(p, "expert"))
+    device = next((g[0].device for g in (*groups.values(), rest) if g), torch.device("cpu"))
+    norms = {k: _norm(v, device) for k, v in groups.items()}
+    parts = [norms[k] for k in GRAD_GROUPS]
+    if rest:
+        parts.append(_norm(rest, device))
+    return norms, torch.linalg.vector_norm(torch.stack(parts))
+
+
+def scaled_group_norms(raw: Dict[str, torch.Tensor], raw_total: torch.Tensor,
+                       true_total) -> Dict[str, torch.Tensor]:
+    """Each group's true norm ``true_total * raw_group / raw_total`` (0 when every gradient is
+    0); exact because all gradients carry the same scale factor."""
+    total = torch.as_tensor(true_total, device=raw_total.device).float()
+    denom = raw_total.clamp_min(torch.finfo(torch.float32).tiny)
+    return {k: total * (v / denom) for k, v in raw.items()}
+
+
+def log_group_norms(norms: Dict[str, torch.Tensor]) -> None:
+    for i, group in enumerate(GRAD_GROUPS):
+        metrics.log_scalar(f"{group}_gnorm", norms[group], priority=_GNORM_PRIORITY + i,
+                           round=_GNORM_ROUND)
+
+
+def log_shortcut_stats(model: nn.Module) -> None:
+    for i, (name, value) in enumerate(shortcut_stats(model).items()):
+        metrics.log_scalar(
+            name, value, weight=0, priority=_SHORTCUT_PRIORITY + i,
+            round=_POS_SCALE_ROUND if name.endswith("_pos_scale") else _SHORTCUT_ROUND,
+        )
+
+
+def _monitored(trainer) -> Optional[nn.Module]:
+    model = trainer.get_model()
+    return model if isinstance(model, AdminTransformerModel) else None
+
+
+_PENDING = "_admin_group_gnorms"
+
+
+def _wrap_clip_grad_norm(clip_grad_norm):
+    @functools.wraps(clip_grad_norm)
+    def wrapper(self, clip_norm):
+        model = _monitored(self)
+        if model is None:
+            return clip_grad_norm(self, clip_norm)
+        raw, raw_total = raw_group_norms(model, self.get_criterion().parameters())
+        total = clip_grad_norm(self, clip_norm)  # raises on an fp16 overflow: nothing logged
+        # logged in set_num_updates, i.e. only if the update is taken
+        setattr(self, _PENDING, scaled_group_norms(raw, raw_total, total))
+        return total
+
+    wrapper.__admin_monitoring__ = True
+    return wrapper
+
+
+def _wrap_set_num_updates(set_num_updates):
+    @functools.wraps(set_num_updates)
+    def wrapper(self, num_updates):
+        set_num_updates(self, num_updates)
+        model = _monitored(self)
+        if model is None:
+            return
+        norms = self.__dict__.pop(_PENDING, None)
+        if norms is not None:
+            log_group_norms(norms)
+        log_shortcut_stats(model)
+
+    wrapper.__admin_monitoring__ = True
+    return wrapper
+
+
+def install() -> None:
+    """Wrap ``Trainer.clip_grad_norm`` and ``Trainer.set_num_updates`` once (idempotent)."""
+    if not getattr(Trainer.clip_grad_norm, "__admin_monitoring__", False):
+        Trainer.clip_grad_norm = _wrap_clip_grad_norm(Trainer.clip_grad_norm)
+    if not getattr(Trainer.set_num_updates, "__admin_monitoring__", False):
+        Trainer.set_num_updates = _wrap_set_num_updates(Trainer.set_num_updates)
+
+
+install()
