@@ -480,6 +480,25 @@ def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
     return score.score, sig, wall, cmd_text
 
 
+def finished_training(run_dir: Path, save_dir: Path, cmd):
+    """``(log text, command text, training seconds)`` of a run in ``run_dir`` that trained to
+    the end with exactly ``cmd`` (recorded in ``command.txt``) and still has its checkpoints,
+    else None."""
+    log_file, recorded = run_dir / "train.log", run_dir / "command.txt"
+    if not (log_file.is_file() and (save_dir / "checkpoint_best.pt").is_file()
+            and (save_dir / "checkpoint_last.pt").is_file()):
+        return None
+    text = log_file.read_text()
+    done = re.search(r"done training in ([0-9.]+) seconds", text)
+    cmd_text = " ".join(shlex.quote(str(c)) for c in cmd)
+    # runs started before command.txt existed: fairseq's logged config names the save dir
+    same = (recorded.read_text() == cmd_text if recorded.is_file()
+            else f"'save_dir': '{save_dir}'" in text)
+    if done is None or not same:
+        return None
+    return text, cmd_text, float(done.group(1))
+
+
 def run_key(scheme, depth, seed, args, positions: str = "sinusoidal") -> str:
     key = (f"{scheme}|{depth}|seed{seed}|{args.max_update}upd|d{args.embed_dim}"
            f"|lr{args.lr:g}|wu{args.warmup}|mt{args.max_tokens}")
@@ -494,16 +513,24 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
     enc, dec = parse_depth(depth)
     key = run_key(scheme, depth, seed, args, positions)
     run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
-    if run_dir.exists():  # an interrupted earlier attempt: start it again from scratch
-        shutil.rmtree(run_dir)
     save_dir = run_dir / "ckpt"
-    save_dir.mkdir(parents=True)
     env = fairseq_env(args.threads)
     cmd = train_command(args, root / "bin", save_dir, scheme, enc, dec, seed, positions)
-    log(f"run {key}")
-    t0 = time.time()
-    rc, text, cmd_text = run_checked(cmd, env, run_dir / "train.log", echo=args.verbose)
-    wall = time.time() - t0
+    finished = finished_training(run_dir, save_dir, cmd)
+    if finished is not None:
+        # trained to the end by an earlier call that stopped before recording the row:
+        # evaluate that run instead of training it again
+        rc, text, cmd_text, wall = 0, *finished
+        log(f"run {key}: reusing the finished training in {run_dir}")
+    else:
+        if run_dir.exists():  # an interrupted earlier attempt: start it again from scratch
+            shutil.rmtree(run_dir)
+        save_dir.mkdir(parents=True)
+        (run_dir / "command.txt").write_text(" ".join(shlex.quote(str(c)) for c in cmd))
+        log(f"run {key}")
+        t0 = time.time()
+        rc, text, cmd_text = run_checked(cmd, env, run_dir / "train.log", echo=args.verbose)
+        wall = time.time() - t0
     curve = parse_curve(text)
     (run_dir / "curve.json").write_text(json.dumps(curve))
     crashed_nan = rc != 0 and ("FloatingPointError" in text or "Nan/Inf" in text)
@@ -963,7 +990,14 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     def worker():
         while (item := next_item()) is not None:
             scheme, depth, seed, pos = item
-            row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, pos)
+            try:
+                row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, pos)
+            except Exception:  # one broken run must not end the grid; it stays missing
+                import traceback
+
+                log(f"run {item} failed, not recorded (a rerun retries it):\n"
+                    + traceback.format_exc())
+                continue
             if row is None:
                 continue
             with lock:
