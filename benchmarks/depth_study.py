@@ -3,11 +3,18 @@
 
 The CPU-scale counterpart of the WMT14 En-De depth table of Liu et al. 2020
 ("Understanding the Difficulty of Training Transformers"): same data, same hyperparameters,
-same update budget; only the residual scheme and the depth change. The default recipe is the
-papers' one scaled down to two CPU cores (docs/results.md says what was scaled and why):
-d 64, FFN 256, 4 heads, dropout 0.1, label smoothing 0.1, shared embeddings, Adam
-(0.9, 0.98), inverse_sqrt with lr 2e-3 and 100 warmup updates, 4096 tokens per batch,
-200 updates.
+same update budget; only the residual scheme and the depth change (and, for the position
+rows, the position module). Two recipes (``--preset``; docs/results.md says what was scaled
+and why):
+
+* ``demo`` (default): the recipe of ``make demo``: d 128, FFN 512, 4 heads, dropout 0.1,
+  label smoothing 0.1, shared embeddings, Adam (0.9, 0.98) (RAdam for ``admin-paper``),
+  inverse_sqrt with lr 2e-3 and 400 warmup updates, 4096 tokens per batch, 700 updates;
+* ``d64``: the first study's: d 64, FFN 256, 100 warmup updates, 200 updates (``--quick``
+  uses it: two 12L-12L runs in about 7 minutes).
+
+``--plan demo-scale`` runs the whole grid of docs/results.md (most informative runs first);
+``--jobs 2 --threads 1`` runs two at a time.
 
 Steps (every fairseq / data command is printed before it runs):
 
@@ -16,22 +23,37 @@ Steps (every fairseq / data command is printed before it runs):
    sentencepiece unigram vocabulary trained on the *training* side only, the encoded
    splits, and ``fairseq-preprocess --joined-dictionary`` (needed by
    ``--share-all-embeddings``).
-2. For each (scheme, depth, seed) not yet in ``OUT/results.csv``: ``fairseq-train`` with
-   ``--arch admin_transformer`` of this package, then ``fairseq-generate`` on
-   test_2016_flickr (beam 4) and detokenized sacreBLEU against the raw references.
-3. One CSV row per finished run is *appended* (a later call adds rows, an interrupted grid
-   resumes where it stopped), then the markdown table ``OUT/results_table.md`` and the
-   loss-curve figure ``OUT/depth_study_loss.png`` are rewritten from all rows
-   (``--publish docs`` also copies them into the docs folder and its results.md).
+2. For each run not yet in ``OUT/results.csv``: ``fairseq-train`` with ``--arch
+   admin_transformer`` of this package (validation every ``max_update / 4`` updates), then
+   ``fairseq-generate`` of ``checkpoint_best.pt`` (lowest validation loss; at the demo
+   recipe the last checkpoint in every trained run) on test_2016_flickr (beam 4, lenpen
+   0.6) and detokenized sacreBLEU against the raw references. A run that trained to the end
+   but was not recorded (the study was stopped) is evaluated, not trained again.
+3. One CSV row per finished run is added (a later call adds rows, an interrupted grid
+   resumes where it stopped), then the markdown table ``OUT/results_table.md`` (summary over
+   seeds, every run, the runs of the grid still missing) and the loss-curve figure
+   ``OUT/depth_study_loss.png`` are rewritten from all rows (``--publish docs`` also copies
+   them into the docs folder and its results.md). Commands are recorded relative to the
+   repository root.
 
-Residual schemes (flags of ``fairseq_admin_pos``):
+Residual schemes (flags of ``fairseq_admin_pos``; the same as ``make demo --scheme``):
 
 * ``post-ln``: ``--admin-init none`` (omega = 1: stock fairseq Post-LN);
 * ``pre-ln``: ``--admin-init none --encoder-normalize-before --decoder-normalize-before``;
 * ``admin``: ``--admin-init closed-form --admin-omega parameter`` (admin-torch's O(logn)
   closed form, omega a trainable vector: admin-torch's best setting);
-* ``admin-profile``: ``--admin-init profile --admin-omega parameter`` (the paper's
-  profiling initialisation, measured on the first training batch).
+* ``admin-paper``: the paper's Admin as Transformer-Clinic runs it: ``--admin-init profile
+  --admin-profile-mode clinic --admin-omega parameter --optimizer radam
+  --radam-early-steps skip``;
+* ``deepnorm``: ``--admin-residual deepnorm`` (Wang et al. 2022);
+* ``admin-profile`` (the d=64 study): ``--admin-init profile --admin-profile-mode eval
+  --admin-omega parameter`` with Adam.
+
+Position variants (``--positions``; Admin rows at 12L-3L): ``sinusoidal`` (fairseq's),
+``scaled-sinusoidal`` (fairseq's table times a learnable scale starting at 1: the same model
+at initialisation plus one scalar per side), ``scaled-sinusoidal-seed`` (the seed module: its
+own table, scale starting at 1/sqrt(d)), ``learned``. The final learned scale of each run is
+recorded (``final_shortcuts``, with the omegas' mean/min/max).
 
 A run's status (see ``classify``), with H the unigram entropy of the German training side
 in bits per token (</s> included, as fairseq's ``nll_loss``, which is base 2):
@@ -138,8 +160,8 @@ CSV_FIELDS = [
     "generate_command", "curve_file", "final_shortcuts",
 ]
 
-# --quick is a subset of the default grid (same width and budget), so its rows are grid rows
-QUICK = dict(schemes="post-ln,admin", depths="12L-12L")
+# --quick: the d=64 study's headline pair (7 minutes on two cores), so its rows are that grid's
+QUICK = dict(schemes="post-ln,admin", depths="12L-12L", preset="d64")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -502,6 +524,11 @@ def finished_training(run_dir: Path, save_dir: Path, cmd):
 def run_key(scheme, depth, seed, args, positions: str = "sinusoidal") -> str:
     key = (f"{scheme}|{depth}|seed{seed}|{args.max_update}upd|d{args.embed_dim}"
            f"|lr{args.lr:g}|wu{args.warmup}|mt{args.max_tokens}")
+    # written only when not the default, so the keys of earlier rows stay valid
+    if args.dropout != 0.1:
+        key += f"|do{args.dropout:g}"
+    if args.vocab != 8000:
+        key += f"|v{args.vocab}"
     return key if positions == "sinusoidal" else f"{key}|pos-{positions}"
 
 
@@ -796,7 +823,12 @@ def publish(out: Path, dest: Path) -> None:
     if TABLE_START not in text or TABLE_END not in text:
         raise SystemExit(f"--publish {dest}: {page} lacks the lines {TABLE_START!r} and "
                          f"{TABLE_END!r} that delimit the table")
-    shutil.copyfile(out / "results.csv", dest / "depth_study_results.csv")
+    # the rows as read (commands relative to the repository root, no machine paths)
+    rows = read_rows(out / "results.csv")
+    with open(dest / "depth_study_results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
     shutil.copyfile(out / "depth_study_loss.png", dest / "depth_study_loss.png")
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
@@ -844,8 +876,8 @@ def build_parser():
                         "rows, plus the position variants at 12L-3L (2 seeds), most "
                         "informative runs first")
     p.add_argument("--quick", action="store_true",
-                   help="the headline contrast only: --schemes post-ln,admin --depths 12L-12L "
-                        "with the default width and budget (explicit flags override it)")
+                   help="the headline contrast only, fast: --schemes post-ln,admin --depths "
+                        "12L-12L --preset d64 (explicit flags override it)")
     p.add_argument("--schemes", default="post-ln,pre-ln,admin,admin-paper,deepnorm",
                    help=f"comma list from: {', '.join(SCHEMES)}")
     p.add_argument("--positions", default="sinusoidal",
@@ -858,7 +890,7 @@ def build_parser():
     p.add_argument("--embed-dim", type=int, default=None, help="default: the preset's")
     p.add_argument("--ffn-dim", type=int, default=None, help="default: the preset's")
     p.add_argument("--heads", type=int, default=None, help="default: the preset's")
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=float, default=0.1, help="fairseq --dropout of every run")
     p.add_argument("--lr", type=float, default=None, help="default: the preset's")
     p.add_argument("--warmup", type=int, default=None,
                    help="inverse_sqrt warmup updates (default: the preset's; d64 uses 100 so "
@@ -869,7 +901,8 @@ def build_parser():
     p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece vocabulary")
     p.add_argument("--validate-every", type=int, default=0,
                    help="validate every N updates (0: max_update / 4)")
-    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--log-interval", type=int, default=10,
+                   help="fairseq --log-interval: updates between logged training losses")
     p.add_argument("--threads", type=int, default=2, help="torch threads per run")
     p.add_argument("--stuck-bits", type=float, default=1.0,
                    help="'stuck' if the best valid nll is not this far below the unigram "

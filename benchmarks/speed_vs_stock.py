@@ -205,11 +205,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed updates (default 5)")
     p.add_argument("--updates", type=int, default=30, help="timed updates (default 30)")
     p.add_argument("--gen-batches", type=int, default=4, help="test batches of 64 (default 4)")
-    p.add_argument("--encoder-layers", type=int, default=6)
-    p.add_argument("--decoder-layers", type=int, default=6)
+    p.add_argument("--encoder-layers", type=int, default=6, help="encoder layers of both models (default 6)")
+    p.add_argument("--decoder-layers", type=int, default=6, help="decoder layers of both models (default 6)")
     p.add_argument("--dim", type=int, default=256, help="width; FFN 4x (default 256)")
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per training batch (default 4096)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of every worker process (default: all cores)")
     p.add_argument("--dtype", choices=sorted(DTYPE_FLAGS), default="float32",
                    help="training and generation precision of both models: float32, "
                    "bfloat16 (fairseq's --bf16 model cast) or float16 (--fp16, CUDA only). "

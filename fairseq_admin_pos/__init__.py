@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 __version__ = "0.1.0"
 __all__ = ["register", "__version__"]
@@ -39,7 +40,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    _registered = True
     from fairseq_admin_pos.fairseq_fixes import (batching_fix, checkpoint_compat,
                                                  cli_help)
 
@@ -48,6 +48,8 @@ def register() -> None:
 
     cli_help.install()
     batching_fix.install()
+    # only now: a registration that failed half way is retried by the next call
+    _registered = True
 
 
 class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
@@ -67,7 +69,16 @@ class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module):
             exec_module(module)
-            register()
+            try:
+                register()
+            except Exception as e:  # noqa: BLE001  (fairseq itself imported fine)
+                # a failure here must not make `import fairseq` fail (Python would drop the
+                # half-registered fairseq from sys.modules); register() raises it again
+                warnings.warn(
+                    f"fairseq_admin_pos: registering with fairseq failed ({type(e).__name__}: "
+                    f"{e}); fairseq_admin_pos.register() retries and raises the error",
+                    RuntimeWarning, stacklevel=2,
+                )
 
         spec.loader.exec_module = exec_then_register
         return spec

@@ -43,7 +43,8 @@ class OpRecorder(TorchDispatchMode):
 # host-device synchronisation
 # --------------------------------------------------------------------------------------- #
 class HostSyncError(AssertionError):
-    pass
+    """Code under :func:`no_host_sync` read a device tensor's value on the host (the
+    message names the op or ``Tensor`` method)."""
 
 
 # ops whose result's *size* depends on the values, so the host must wait for the device
@@ -153,7 +154,8 @@ def no_host_sync(model: nn.Module, modules=None) -> Iterator[HostSyncGuard]:
     Outside (fairseq's ``SequenceGenerator`` bookkeeping, the trainer) nothing is checked:
     that code is not the model's.
     """
-    _mark(list(model.parameters()) + list(model.buffers()))
+    weights = list(model.parameters()) + list(model.buffers())
+    _mark(weights)
     if modules is None:
         modules = [model, model.encoder, model.decoder]
     guard = HostSyncGuard()
@@ -175,6 +177,9 @@ def no_host_sync(model: nn.Module, modules=None) -> Iterator[HostSyncGuard]:
                 mod.forward = orig
             else:
                 del mod.forward
+        for t in weights:  # the model outlives the block: leave its tensors unmarked
+            if hasattr(t, _MARK):
+                delattr(t, _MARK)
 
 
 class NoValueReads(TorchDispatchMode):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -104,13 +105,26 @@ def hypotheses(generate_stdout: str) -> List[str]:
 
 
 def train_losses(stdout_and_err: str) -> List[str]:
-    """Per-update training losses as printed (fairseq logs to stderr)."""
-    return re.findall(r"\| train_inner \|.*? loss=([0-9.]+)", stdout_and_err)
+    """Per-update training losses as printed (fairseq logs to stderr): fairseq-train's
+    ``| train_inner |`` lines and fairseq-hydra-train's ``[train_inner]`` ones."""
+    return re.findall(r"train_inner\b.*? loss=([0-9.]+)", stdout_and_err)
 
 
-def load_model_state(ckpt: Path) -> Dict[str, torch.Tensor]:
+def load_checkpoint(ckpt: Path) -> dict:
+    """The whole checkpoint (model, optimizer history, extra state), loaded the way the
+    plugin lets torch >= 2.6 load it (``weights_only=True`` with fairseq's allow-list)."""
     import fairseq_admin_pos
 
     fairseq_admin_pos.register()  # the allow-list for weights_only loading
+    return torch.load(ckpt, map_location="cpu")
 
-    return torch.load(ckpt, map_location="cpu")["model"]
+
+def load_model_state(ckpt: Path) -> Dict[str, torch.Tensor]:
+    return load_checkpoint(ckpt)["model"]
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on (for torch.distributed's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

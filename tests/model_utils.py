@@ -81,18 +81,21 @@ TRAINER_PRECISION = {
 }
 
 
-def build_trainer(data, extra: Sequence[str] = (), precision=None, seed: int = 3):
-    """fairseq's own ``Trainer`` for ``admin_transformer``, built as ``fairseq-train`` builds it
-    (seeded model, task, criterion; Adam lr 3e-3, 400 tokens). ``precision``: a key of
-    :data:`TRAINER_PRECISION`; fairseq ties ``--bf16`` to TPUs, so ``tpu`` is reset to run
-    its bf16 path on the CPU."""
+LABEL_SMOOTHED = ("--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1")
+
+
+def build_trainer(data, extra: Sequence[str] = (), precision=None, seed: int = 3,
+                  arch: str = "admin_transformer", criterion: Sequence[str] = LABEL_SMOOTHED):
+    """fairseq's own ``Trainer`` for ``arch``, built as ``fairseq-train`` builds it (seeded
+    model, task, criterion; Adam lr 3e-3, 400 tokens; ``extra`` flags win). ``precision``: a
+    key of :data:`TRAINER_PRECISION`; fairseq ties ``--bf16`` to TPUs, so ``tpu`` is reset
+    to run its bf16 path on the CPU."""
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    argv = [str(data), "--user-dir", USER_DIR, "--arch", "admin_transformer", "--cpu",
-            "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "400",
-            "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    argv = [str(data), "--user-dir", USER_DIR, "--arch", arch, "--cpu",
+            "--optimizer", "adam", "--lr", "3e-3", "--max-tokens", "400", *criterion,
             "--seed", str(seed), "--num-workers", "0", *map(str, extra),
             *TRAINER_PRECISION[precision]]
     args = options.parse_args_and_arch(options.get_training_parser(), argv)

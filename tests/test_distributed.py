@@ -11,14 +11,13 @@ A third run without accumulation shows the comparison can tell the difference.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 
 import pytest
 import torch
 
 from fairseq_cli_utils import env as cli_env
-from fairseq_cli_utils import preprocess, write_reversal_corpus
+from fairseq_cli_utils import free_port, preprocess, write_reversal_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
@@ -34,11 +33,6 @@ def env():
         e.pop(key, None)  # fairseq would infer torchrun / SLURM launching from these
     return e
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

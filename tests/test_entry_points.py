@@ -11,7 +11,6 @@ repository root with ``--user-dir fairseq_admin_pos`` / ``common.user_dir``.
 """
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from fairseq_cli_utils import (
     load_model_state,
     preprocess,
     train,
+    train_losses,
     write_reversal_corpus,
 )
 
@@ -177,10 +177,6 @@ def train_sh_smoke_command(data, run_dir):
                             RUN_DIR=run_dir, EXTRA_ARGS=" ".join(extra))
 
 
-def losses(log):
-    return re.findall(r"train_inner.*? loss=([0-9.]+)", log)
-
-
 @pytest.fixture(scope="module")
 def hydra_and_argparse_runs(tiny_data, tmp_path_factory):
     """The shipped hydra config and train.sh's fairseq-train command, both shrunk the same
@@ -202,8 +198,8 @@ def hydra_and_argparse_runs(tiny_data, tmp_path_factory):
 def test_hydra_train_matches_fairseq_train(hydra_and_argparse_runs):
     """Same losses at every update and the same weights as fairseq-train with the recipe."""
     (h_log, h_ck), (a_log, a_ck) = (hydra_and_argparse_runs[k] for k in ("hydra", "argparse"))
-    assert len(losses(h_log)) == SMOKE_UPDATES, h_log[-3000:]
-    assert losses(h_log) == losses(a_log)
+    assert len(train_losses(h_log)) == SMOKE_UPDATES, h_log[-3000:]
+    assert train_losses(h_log) == train_losses(a_log)
     h, a = load_model_state(h_ck), load_model_state(a_ck)
     assert set(h) == set(a)
     for k, v in h.items():

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from dispatch_utils import NoValueReads
 from fairseq_cli_utils import TINY_MODEL, USER_DIR, load_model_state, run, train
-from model_utils import build
+from model_utils import build, build_trainer
 
 GNORM_KEYS = ("enc_gnorm", "dec_gnorm", "emb_gnorm")
 STAT_KEYS = tuple(f"{s}_omega_{k}" for s in ("enc", "dec") for k in ("mean", "min", "max"))
@@ -234,19 +234,9 @@ def test_stack_gradient_norms_match_a_hand_computation(tiny_data, tmp_path, case
 # in-process: fairseq's Trainer
 # --------------------------------------------------------------------------------------- #
 def _trainer(data, arch, extra=()):
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-    from fairseq.trainer import Trainer
-
-    argv = [str(data), "--user-dir", USER_DIR, "--arch", arch, "--cpu", *TINY_MODEL,
-            "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "400", "--seed", "3",
-            "--num-workers", "0", *extra]
-    cfg = convert_namespace_to_omegaconf(
-        options.parse_args_and_arch(options.get_training_parser(), argv))
-    torch.manual_seed(3)
-    task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    return Trainer(cfg, task, model, task.build_criterion(cfg.criterion))
+    # plain cross entropy: the hand-computed gradients below use it
+    return build_trainer(data, [*TINY_MODEL, "--lr", "1e-3", *extra], arch=arch,
+                         criterion=("--criterion", "cross_entropy"))
 
 
 def _one_update(trainer):

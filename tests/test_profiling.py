@@ -19,7 +19,6 @@ import copy
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,6 +35,7 @@ from fairseq_cli_utils import (
     TRAIN_COMMON,
     USER_DIR,
     env,
+    free_port,
     generate,
     hypotheses,
     load_model_state,
@@ -245,11 +245,6 @@ def assert_close(a, b, tol):
         assert len(a[k]) == len(b[k]), k
         np.testing.assert_allclose(a[k], b[k], rtol=tol, atol=tol, err_msg=k)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SMALL = ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim",

@@ -19,7 +19,7 @@ import re
 import pytest
 import torch
 
-from fairseq_cli_utils import TINY_MODEL, USER_DIR, run, train_losses
+from fairseq_cli_utils import TINY_MODEL, USER_DIR, load_checkpoint, run, train_losses
 
 BETAS = (0.9, 0.98)
 STEPS = 9  # t = 1..5 have rho_t <= 5 for beta2 = 0.98, t = 6..9 are rectified
@@ -278,13 +278,6 @@ def fairseq_train(data, save_dir, max_update, *extra, check=True):
                                      "--save-dir", save_dir, *extra], check=check)
 
 
-def load(path):
-    import fairseq_admin_pos
-
-    fairseq_admin_pos.register()  # the allow-list for torch's weights_only loading
-    return torch.load(path, map_location="cpu")
-
-
 def test_resume_equals_uninterrupted_run(tiny_data, tmp_path):
     """Resuming from the checkpoint written after update 3 and training to 9 gives what 9
     updates at once give: the same logged losses, weights and RAdam state. The checkpoint is
@@ -300,8 +293,8 @@ def test_resume_equals_uninterrupted_run(tiny_data, tmp_path):
     assert re.search(loaded, log), log[-2000:]
     expected = train_losses(whole.stdout + whole.stderr)
     assert len(expected) == 9 and train_losses(log) == expected[3:]
-    a = load(tmp_path / "whole" / "checkpoint_last.pt")
-    b = load(tmp_path / "resumed" / "checkpoint_last.pt")
+    a = load_checkpoint(tmp_path / "whole" / "checkpoint_last.pt")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoint_last.pt")
     for key, value in a["model"].items():
         if torch.is_tensor(value):
             assert torch.equal(value, b["model"][key]), key
@@ -332,7 +325,7 @@ def test_fp16_training_keeps_float32_optimizer_state(tiny_data, tmp_path, precis
     losses = [float(v) for v in train_losses(log)]
     assert len(losses) == 7 and all(math.isfinite(v) for v in losses), losses
     assert "loss_scale=" in log
-    state = load(tmp_path / "ck" / "checkpoint_last.pt")
+    state = load_checkpoint(tmp_path / "ck" / "checkpoint_last.pt")
     history = state["optimizer_history"][-1]
     assert history["optimizer_name"] == wrapper and history["num_updates"] == 7
     opt_state = state["last_optimizer_state"]

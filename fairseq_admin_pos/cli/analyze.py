@@ -6,8 +6,8 @@ mode: no dropout) with N encoder and N decoder layers (``--decoder-layers`` to f
 depth instead) and measures
 
 * **the omegas** of every residual sub-layer (1 for Post-LN/Pre-LN; the closed form; or
-  profiled on the input batch exactly as ``--admin-init profile`` does on the first training
-  batch, see :mod:`fairseq_admin_pos.profiling`);
+  profiled on the input batch as ``--admin-init profile --admin-profile-mode eval`` does on
+  the first training batch, see :mod:`fairseq_admin_pos.profiling`);
 * **the output change** (Liu et al. 2020, "Understanding the Difficulty of Training
   Transformers", Sec. 3.3 and Theorem 2):
 
@@ -76,9 +76,14 @@ logger = logging.getLogger("fairseq_admin_pos.cli.analyze")
 # --------------------------------------------------------------------------------------- #
 # variants
 # --------------------------------------------------------------------------------------- #
-def _profile(model, net_input) -> None:
-    """Admin's profiling on the analysis batch (what --admin-init profile does in training)."""
-    omegas, _ = admin_profile.measure(model, [net_input])
+def _profile(model, net_input, seed: int = 1) -> None:
+    """Admin's profiling on the analysis batch, as ``--admin-init profile`` does on the first
+    training batch: in the model's ``--admin-profile-mode`` (clinic, the default: a
+    training-mode pass whose dropout masks come from ``seed``, as fairseq seeds its first
+    step; eval: no dropout). The caller's random stream is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        omegas, _ = admin_profile.measure(model, [net_input], mode=model.admin_profile.mode)
     admin_profile.apply(model, omegas)
 
 
@@ -103,7 +108,11 @@ VARIANTS: Dict[str, Variant] = {
         "Admin closed-form O(log N)",
         ("--admin-init", "closed-form", "--admin-output-change-scale", "O(logn)"),
     ),
-    "admin-profile": Variant("Admin profiled", ("--admin-init", "profile"), prepare=_profile),
+    # eval-mode statistics: the omegas of a dropout-free pass, comparable across depths (the
+    # default clinic mode adds the dropout masks of one step; see fairseq_admin_pos.profiling)
+    "admin-profile": Variant("Admin profiled (eval mode)",
+                             ("--admin-init", "profile", "--admin-profile-mode", "eval"),
+                             prepare=_profile),
     # the rivals (fairseq_admin_pos.schemes)
     "deepnorm": Variant("DeepNorm", ("--admin-residual", "deepnorm")),
     "rezero": Variant("ReZero (no LN)", ("--admin-residual", "rezero")),
@@ -247,6 +256,8 @@ def output_change(model, n, eps: float, trials: int, which: str, seed: int) -> T
 # --------------------------------------------------------------------------------------- #
 @dataclass
 class Result:
+    """One measurement: a variant at one depth and seed, its output change per stack."""
+
     variant: str
     encoder_layers: int
     decoder_layers: int
@@ -496,8 +507,11 @@ def load_checkpoint(path: str, data: Optional[str] = None):
             path, f"cannot set up its task from the data folder {cfg.task.data!r} "
             f"({type(e).__name__}: {e}); pass --data FOLDER with its dictionaries") from None
     utils.set_torch_seed(cfg.common.seed)
-    init_model = task.build_model(cfg.model)
-    model = task.build_model(cfg.model, from_checkpoint=True)
+    # both models take their omegas from here (the checkpoint, or profiling the init model
+    # on the analysis batch), not from the profile file the training run named
+    with admin_profile.loading_trained_checkpoint():
+        init_model = task.build_model(cfg.model)
+        model = task.build_model(cfg.model, from_checkpoint=True)
     model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
     history = state.get("optimizer_history") or [{}]
     num_updates = history[-1].get("num_updates")
@@ -569,7 +583,7 @@ def run_checkpoint_analysis(args) -> CheckpointReport:
                for seed in args.seed_list}
     if init_model.admin_settings["admin_init"] == "profile":
         # what --admin-init profile does on the first training batch, here on the first batch
-        _profile(init_model, batches[args.seed_list[0]])
+        _profile(init_model, batches[args.seed_list[0]], seed=cfg.common.seed)
     changes = []
     for seed, net_input in batches.items():
         for name, m in (("initialisation", init_model), ("checkpoint", model)):

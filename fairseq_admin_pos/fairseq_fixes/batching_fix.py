@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from fairseq.data import data_utils
 
 
 def _complete(batch_by_size):
@@ -47,5 +46,8 @@ def _complete(batch_by_size):
 
 def install() -> None:
     """Wrap ``fairseq.data.data_utils.batch_by_size`` once (idempotent)."""
+    # imported here: importing this module must not import fairseq (see cli_help.install)
+    from fairseq.data import data_utils
+
     if not getattr(data_utils.batch_by_size, "__admin_complete__", False):
         data_utils.batch_by_size = _complete(data_utils.batch_by_size)

@@ -13,8 +13,6 @@ from __future__ import annotations
 import functools
 import sys
 
-from fairseq import options
-
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -41,5 +39,9 @@ def _full_help(parse_args_and_arch):
 
 def install() -> None:
     """Wrap ``fairseq.options.parse_args_and_arch`` once (idempotent)."""
+    # imported here, not at the top: importing this module must not import fairseq (the
+    # package registers itself when fairseq's import finishes, see fairseq_admin_pos.register)
+    from fairseq import options
+
     if not getattr(options.parse_args_and_arch, "__admin_full_help__", False):
         options.parse_args_and_arch = _full_help(options.parse_args_and_arch)

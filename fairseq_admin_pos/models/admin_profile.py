@@ -49,6 +49,7 @@ docstring says exactly what is summed and argues the default). This module decid
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -78,7 +79,7 @@ COMPARED_SETTINGS = (
     "encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim",
     "encoder_ffn_embed_dim", "decoder_ffn_embed_dim", "encoder_attention_heads",
     "decoder_attention_heads", "no_cross_attention", "encoder_pos_emb", "decoder_pos_emb",
-    "no_scale_embedding", "layernorm_embedding", "admin_profile_mode",
+    "no_scale_embedding", "layernorm_embedding", "activation_fn", "admin_profile_mode",
     "admin_profile_include_padding",
 )
 #: compared too in clinic mode, where the statistic is the dropped-out branch output
@@ -372,8 +373,10 @@ def refresh_master_copy(optimizer, model: nn.Module, omegas: Mapping[str, List[f
 
 
 def _cuda_devices() -> List[int]:
+    # only this rank's GPU: the pass runs there; forking every visible device's RNG would
+    # touch (and initialise a context on) the other ranks' GPUs
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return list(range(torch.cuda.device_count()))
+        return [torch.cuda.current_device()]
     return []
 
 
@@ -553,6 +556,17 @@ class ProfileController:
 _LOADING_CHECKPOINT = contextvars.ContextVar("admin_loading_checkpoint", default=False)
 
 
+@contextlib.contextmanager
+def loading_trained_checkpoint() -> Iterator[None]:
+    """Models built inside take their omegas from a trained checkpoint: the profile file
+    their settings name is not read (fairseq's checkpoint loading runs inside it)."""
+    token = _LOADING_CHECKPOINT.set(True)
+    try:
+        yield
+    finally:
+        _LOADING_CHECKPOINT.reset(token)
+
+
 def configure(model: nn.Module, args, task) -> None:
     """Called by ``build_model`` for ``--admin-init profile``: registers the persistent
     ``admin_profiled`` flag (0 until profiled) and the controller, and when
@@ -561,8 +575,21 @@ def configure(model: nn.Module, args, task) -> None:
     model.register_buffer("admin_profiled", torch.zeros(1, dtype=torch.long), persistent=True)
     controller = ProfileController(args)
     model.admin_profile = controller
-    if controller.path and os.path.exists(controller.path) and not _LOADING_CHECKPOINT.get():
+    if (controller.path and os.path.exists(controller.path) and not _LOADING_CHECKPOINT.get()
+            and not _resuming(args)):
         read_profile(controller.path, model, controller.settings)
+
+
+def _resuming(args) -> bool:
+    """fairseq-train will load a checkpoint into this model (fairseq's ``--restore-file``
+    rule): its omegas are already profiled, and a file that is still needed (a checkpoint
+    saved before profiling) is read and checked before the first step instead."""
+    restore = getattr(args, "restore_file", None)
+    if not restore:
+        return False
+    if restore == "checkpoint_last.pt":
+        restore = os.path.join(getattr(args, "save_dir", None) or "checkpoints", restore)
+    return os.path.isfile(restore)
 
 
 _ORIGINAL = {}
@@ -604,10 +631,7 @@ def install_trainer_hooks() -> None:
 
     @functools.wraps(load)
     def load_trained(*args, **kwargs):
-        token = _LOADING_CHECKPOINT.set(True)
-        try:
+        with loading_trained_checkpoint():
             return load(*args, **kwargs)
-        finally:
-            _LOADING_CHECKPOINT.reset(token)
 
     checkpoint_utils.load_model_ensemble_and_task = load_trained

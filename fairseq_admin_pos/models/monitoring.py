@@ -24,7 +24,8 @@ or closed form) and DeepNorm's alpha never change (``fairseq-admin-analyze --che
 prints them).
 
 The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
-``gnorm``; ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²``. Embeddings are a group of
+``gnorm``; ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²`` (a criterion's own parameters
+count in ``gnorm`` only). Embeddings are a group of
 their own because with ``--share-all-embeddings`` one matrix serves the encoder input, the
 decoder input and the output projection; counting it in a stack would make that stack's
 norm mostly the output projection's. The shortcut statistics are the values after the last

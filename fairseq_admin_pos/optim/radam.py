@@ -61,6 +61,9 @@ EARLY_STEPS = ("momentum", "skip")
 
 @dataclass
 class FairseqRAdamConfig(FairseqDataclass):
+    """The ``--optimizer radam`` flags: fairseq's ``adam`` names (``--adam-betas``,
+    ``--adam-eps``, ``--weight-decay``) plus ``--radam-early-steps``."""
+
     adam_betas: Any = field(
         default=(0.9, 0.999),
         metadata={"help": "betas for RAdam, a tuple as for --optimizer adam, e.g. "
