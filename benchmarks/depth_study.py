@@ -137,8 +137,11 @@ _DEEP_ENC = "24L-3L"
 PLANS = {
     "demo-scale": (
         [(s, "12L-12L", 1, "sinusoidal") for s in _ALL5]
+        # the shallow reference next: half the cost of a 12L-12L run, and it answers "is
+        # deep Admin better than shallow Admin" for seed 1
+        + [(s, "6L-6L", 1, "sinusoidal") for s in ("admin", "pre-ln", "post-ln", "deepnorm",
+                                                   "admin-paper")]
         + [(s, _DEEP_ENC, 1, "sinusoidal") for s in _ALL5]
-        + [(s, "6L-6L", 1, "sinusoidal") for s in _ALL5]
         + [("admin", "12L-3L", 1, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
         + [(s, "12L-12L", 2, "sinusoidal") for s in _ALL5]
         + [(s, _DEEP_ENC, 2, "sinusoidal") for s in ("admin", "pre-ln", "admin-paper")]
@@ -767,7 +770,7 @@ def write_plot(rows, out: Path, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if (out / r["curve_file"]).is_file()]
+    rows = [r for r in rows if curve_path(out, r) is not None]
     if not rows:
         return
     newest = min({r["study"] for r in rows}, key=_study_order)
@@ -790,7 +793,7 @@ def write_plot(rows, out: Path, path: Path) -> None:
             name = r["positions"] if by_pos else r["scheme"]
             # later seeds: same colour, lighter, so the variants stay readable
             alpha = 1.0 if first_seed.setdefault(name, r["seed"]) == r["seed"] else 0.4
-            curve = json.loads((out / r["curve_file"]).read_text())
+            curve = json.loads(curve_path(out, r).read_text())
             c = (pos_colors if by_pos else colors).get(name, "black")
             label = f"{name} s{r['seed']} ({r['status']}, BLEU {r['bleu'] or '-'})"
             ax.plot([p["update"] for p in curve["train"]], [p["nll"] for p in curve["train"]],
@@ -808,6 +811,20 @@ def write_plot(rows, out: Path, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# published curves (``--publish DIR`` copies them to DIR/depth_study_curves/): a study that
+# starts again in a new output folder still draws the rows recorded before
+PUBLISHED_CURVES = REPO / "docs" / "depth_study_curves"
+
+
+def curve_path(out: Path, row) -> Path | None:
+    """The row's ``curve.json`` under ``out``, else its published copy, else None."""
+    for path in (out / row["curve_file"],
+                 PUBLISHED_CURVES / f"{Path(row['curve_file']).parent.name}.json"):
+        if path.is_file():
+            return path
+    return None
 
 
 TABLE_START = "<!-- depth_study table: start -->"
@@ -830,6 +847,12 @@ def publish(out: Path, dest: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     shutil.copyfile(out / "depth_study_loss.png", dest / "depth_study_loss.png")
+    curves = dest / "depth_study_curves"
+    curves.mkdir(exist_ok=True)
+    for r in rows:
+        src = out / r["curve_file"]
+        if src.is_file():
+            shutil.copyfile(src, curves / f"{src.parent.name}.json")
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
     table = (out / "results_table.md").read_text()

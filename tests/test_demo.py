@@ -52,12 +52,12 @@ def test_demo_end_to_end(tmp_path):
     assert "+ " in proc.stdout and "fairseq-train" in proc.stdout
     assert "--user-dir" in proc.stdout and "--arch admin_transformer" in proc.stdout
     assert "--encoder-layers 3" in proc.stdout and "--admin-init closed-form" in proc.stdout
-    res = json.loads((out / "admin" / "results.json").read_text())
+    res = json.loads((out / "admin-3L-1L" / "results.json").read_text())
     assert res["test_sentences"] == SPLITS["test_2016_flickr"]
-    valid = [l for l in (out / "admin" / "train.log").read_text().splitlines() if "| valid |" in l]
+    valid = [l for l in (out / "admin-3L-1L" / "train.log").read_text().splitlines() if "| valid |" in l]
     assert f"nll_loss {res['valid_nll_bits']:.3f}" in valid[-1]
     # BLEU recomputed independently from the written hypotheses and the raw references
-    hyps = (out / "admin" / "test.hyp.de").read_text(encoding="utf-8").splitlines()
+    hyps = (out / "admin-3L-1L" / "test.hyp.de").read_text(encoding="utf-8").splitlines()
     with gzip.open(tmp_path / "m30k" / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as fh:
         refs = fh.read().splitlines()
     assert len(hyps) == len(refs)
@@ -68,16 +68,27 @@ def test_demo_end_to_end(tmp_path):
     again = run_demo(args)
     assert again.returncode == 0
     assert "fairseq-preprocess" not in again.stdout
-    assert "num_updates 6" in (out / "admin" / "train.log").read_text()
+    assert "num_updates 6" in (out / "admin-3L-1L" / "train.log").read_text()
     # the Post-LN baseline side by side: same data and recipe, its own run folder
     base = run_demo(args + ["--scheme", "post-ln"])
     assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]
     assert "fairseq-preprocess" not in base.stdout and "--admin-init none" in base.stdout
-    post = json.loads((out / "post-ln" / "results.json").read_text())
+    post = json.loads((out / "post-ln-3L-1L" / "results.json").read_text())
     assert post["scheme"] == "post-ln" and post["scheme_flags"] == "--admin-init none"
     assert "Every scheme run in" in base.stdout
     for r in (res, post):
         assert f"sacreBLEU {r['bleu']:6.2f}" in base.stdout
+    # another depth is another run, not a resume of this one
+    # (argparse keeps a repeated flag's last value)
+    deeper = run_demo(args + ["--decoder-layers", "2", "--max-update", "2", "--scheme", "post-ln"])
+    assert deeper.returncode == 0, deeper.stdout[-3000:] + deeper.stderr[-3000:]
+    assert "--decoder-layers 2" in deeper.stdout
+    assert (out / "post-ln-3L-2L" / "results.json").exists()
+    # the same folder with another recipe is refused before training, naming the flag
+    other = run_demo(args + ["--scheme", "post-ln", "--lr", "0.01"])
+    assert other.returncode != 0
+    assert "--lr 0.002 there, 0.01 now" in other.stderr and "--out" in other.stderr
+    assert "fairseq-train" not in other.stdout
 
 
 def test_demo_missing_data_and_no_network_is_a_clear_error(tmp_path):

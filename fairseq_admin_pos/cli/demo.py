@@ -13,8 +13,9 @@ Steps (each prints the command it runs and is skipped when its output is complet
 5. ``fairseq-generate`` on test2016 with beam 4, then sacreBLEU against the raw references.
 
 Data goes under ``--out`` (``raw/``, ``spm/``, ``data-bin/``, shared by every scheme); each
-scheme's run goes under ``--out/<scheme>/`` (checkpoints, logs, ``results.json`` with the
-BLEU, its signature and timings), so ``--scheme post-ln`` trains the baseline next to the
+scheme's run goes under ``--out/<scheme>/`` (``--out/<scheme>-<E>L-<D>L/`` at other depths:
+checkpoints, logs, ``results.json`` with the BLEU, its signature and timings; a folder keeps
+the recipe it started with), so ``--scheme post-ln`` trains the baseline next to the
 default with the same data and recipe, and the last lines compare every scheme run so far.
 With the defaults it took 13.6 minutes on an idle 2-core AMD EPYC and 19.6 minutes on a
 2-core Intel Xeon (2.8 GHz) (BLEU 28.50 / 29.23; README).
@@ -206,6 +207,36 @@ def train_command(args, data_bin: Path, save_dir: Path) -> List[str]:
     ]
 
 
+# the settings a run folder is tied to: resuming a checkpoint trained with others would fail
+# inside fairseq (other shapes) or silently mix two recipes (other lr, batch, seed)
+RUN_SETTINGS = ("dim", "vocab", "max_tokens", "lr", "warmup", "seed")
+
+
+def run_name(args) -> str:
+    """``<scheme>`` at the demo's depths, ``<scheme>-<E>L-<D>L`` at others, so that
+    ``--scheme post-ln --decoder-layers 12`` does not resume the 12L-3L run."""
+    if (args.encoder_layers, args.decoder_layers) == (12, 3):
+        return args.scheme
+    return f"{args.scheme}-{args.encoder_layers}L-{args.decoder_layers}L"
+
+
+def check_run_settings(run_dir: Path, args) -> None:
+    """Record the run's settings in ``run_dir/settings.json``; a folder holding a run with
+    other settings is an error naming them (``--max-update`` may grow: training resumes)."""
+    wanted = {k: getattr(args, k) for k in RUN_SETTINGS}
+    path = run_dir / "settings.json"
+    if path.exists():
+        have = json.loads(path.read_text())
+        diff = [f"--{k.replace('_', '-')} {have.get(k)} there, {wanted[k]} now"
+                for k in RUN_SETTINGS if have.get(k) != wanted[k]]
+        if diff:
+            raise SystemExit(f"[demo] {run_dir} holds a run with other settings ("
+                             + "; ".join(diff) + "): pass another --out, or remove that folder")
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2) + "\n")
+
+
 def compare(out: Path) -> None:
     """One line per scheme run under ``out`` so far (``results.json``)."""
     rows = []
@@ -310,8 +341,8 @@ def main(argv=None) -> None:
     spm_dir = sentencepiece(raw, out, args.vocab)
     data_bin = preprocess(spm_dir, out)
 
-    run_dir = out / args.scheme
-    run_dir.mkdir(exist_ok=True)
+    run_dir = out / run_name(args)
+    check_run_settings(run_dir, args)
     save_dir = run_dir / "checkpoints"
     t_train = time.time()
     run(train_command(args, data_bin, save_dir), log_file=run_dir / "train.log")
