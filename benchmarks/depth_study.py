@@ -759,7 +759,7 @@ def write_table(rows, path: Path, planned=()) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_plot(rows, out: Path, path: Path) -> None:
+def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     """Loss curves of the newest study, one panel per depth (rows whose curve file is here)."""
     import logging
 
@@ -770,7 +770,7 @@ def write_plot(rows, out: Path, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if curve_path(out, r) is not None]
+    rows = [r for r in rows if curve_path(out, r, published) is not None]
     if not rows:
         return
     newest = min({r["study"] for r in rows}, key=_study_order)
@@ -793,7 +793,7 @@ def write_plot(rows, out: Path, path: Path) -> None:
             name = r["positions"] if by_pos else r["scheme"]
             # later seeds: same colour, lighter, so the variants stay readable
             alpha = 1.0 if first_seed.setdefault(name, r["seed"]) == r["seed"] else 0.4
-            curve = json.loads(curve_path(out, r).read_text())
+            curve = json.loads(curve_path(out, r, published).read_text())
             c = (pos_colors if by_pos else colors).get(name, "black")
             label = f"{name} s{r['seed']} ({r['status']}, BLEU {r['bleu'] or '-'})"
             ax.plot([p["update"] for p in curve["train"]], [p["nll"] for p in curve["train"]],
@@ -813,15 +813,12 @@ def write_plot(rows, out: Path, path: Path) -> None:
     plt.close(fig)
 
 
-# published curves (``--publish DIR`` copies them to DIR/depth_study_curves/): a study that
-# starts again in a new output folder still draws the rows recorded before
-PUBLISHED_CURVES = REPO / "docs" / "depth_study_curves"
-
-
-def curve_path(out: Path, row) -> Path | None:
-    """The row's ``curve.json`` under ``out``, else its published copy, else None."""
+def curve_path(out: Path, row, published: Path) -> Path | None:
+    """The row's ``curve.json`` under ``out``, else its published copy (``--publish DIR``
+    keeps them in ``DIR/depth_study_curves/``, so a study started again in a new output
+    folder still draws the rows recorded before), else None."""
     for path in (out / row["curve_file"],
-                 PUBLISHED_CURVES / f"{Path(row['curve_file']).parent.name}.json"):
+                 published / "depth_study_curves" / f"{Path(row['curve_file']).parent.name}.json"):
         if path.is_file():
             return path
     return None
@@ -1001,7 +998,7 @@ def main(argv=None):
     done = {r["key"] for r in rows}
     missing = [(study_name(args), *g) for g in grid if run_key(*g[:3], args, g[3]) not in done]
     write_table(rows, args.out / "results_table.md", missing)
-    write_plot(rows, args.out, args.out / "depth_study_loss.png")
+    write_plot(rows, args.out, args.out / "depth_study_loss.png", args.publish or REPO / "docs")
     log(f"{len(rows)} rows in {csv_path}; table {args.out/'results_table.md'}; "
         f"figure {args.out/'depth_study_loss.png'}")
     if missing:
@@ -1063,7 +1060,8 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                 missing = [(study_name(args), *g) for g in grid
                            if run_key(*g[:3], args, g[3]) not in done_keys]
                 write_table(rows, args.out / "results_table.md", missing)
-                write_plot(rows, args.out, args.out / "depth_study_loss.png")
+                write_plot(rows, args.out, args.out / "depth_study_loss.png",
+                           args.publish or REPO / "docs")
 
     threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
     for t in threads:

@@ -6,6 +6,7 @@ with ``--user-dir`` pointing at the package, exactly the path a user takes.
 """
 from __future__ import annotations
 
+import gzip
 import os
 import random
 import re
@@ -128,3 +129,29 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+MULTI30K_SPLITS = {"train": 300, "val": 20, "test_2016_flickr": 20}
+
+
+def write_fake_multi30k(folder, gz=True):
+    """A Multi30k-shaped corpus (``{train,val,test_2016_flickr}.{en,de}[.gz]``): word-by-word
+    English -> German over 11 words, so a tiny model can learn it in a few updates."""
+    rng = random.Random(0)
+    en_words = ["a", "man", "woman", "dog", "runs", "sits", "on", "the", "grass", "street", "red"]
+    to_de = dict(zip(en_words, ["ein", "Mann", "Frau", "Hund", "läuft", "sitzt", "auf", "dem",
+                                "Gras", "Straße", "rot"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in MULTI30K_SPLITS.items():
+        en, de = [], []
+        for _ in range(n):
+            s = [rng.choice(en_words) for _ in range(rng.randint(3, 7))]
+            en.append(" ".join(s).capitalize() + ".")
+            de.append(" ".join(to_de[w] for w in s).capitalize() + ".")
+        for lang, lines in (("en", en), ("de", de)):
+            text = "\n".join(lines) + "\n"
+            if gz:
+                with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as fh:
+                    fh.write(text)
+            else:
+                (folder / f"{split}.{lang}").write_text(text, encoding="utf-8")

@@ -1,37 +1,13 @@
 """``make demo``'s pipeline (fairseq_admin_pos.cli.demo) on a tiny Multi30k-shaped corpus."""
 import gzip
 import json
-import random
 import socket
 import subprocess
 import sys
 
 import sacrebleu
 
-from fairseq_cli_utils import REPO, env
-
-SPLITS = {"train": 300, "val": 20, "test_2016_flickr": 20}
-
-
-def write_fake_multi30k(folder, gz=True):
-    rng = random.Random(0)
-    en_words = ["a", "man", "woman", "dog", "runs", "sits", "on", "the", "grass", "street", "red"]
-    to_de = dict(zip(en_words, ["ein", "Mann", "Frau", "Hund", "läuft", "sitzt", "auf", "dem",
-                                "Gras", "Straße", "rot"]))
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, n in SPLITS.items():
-        en, de = [], []
-        for _ in range(n):
-            s = [rng.choice(en_words) for _ in range(rng.randint(3, 7))]
-            en.append(" ".join(s).capitalize() + ".")
-            de.append(" ".join(to_de[w] for w in s).capitalize() + ".")
-        for lang, lines in (("en", en), ("de", de)):
-            text = "\n".join(lines) + "\n"
-            if gz:
-                with gzip.open(folder / f"{split}.{lang}.gz", "wt", encoding="utf-8") as fh:
-                    fh.write(text)
-            else:
-                (folder / f"{split}.{lang}").write_text(text, encoding="utf-8")
+from fairseq_cli_utils import MULTI30K_SPLITS as SPLITS, REPO, env, write_fake_multi30k
 
 
 def run_demo(args, **kw):

@@ -1,0 +1,163 @@
+"""benchmarks/depth_study.py end to end on a tiny Multi30k-shaped corpus: every number of a
+row recomputed from the run's own files, the summary's mean +- std, publishing, and a second
+call that finds the grid done."""
+import csv
+import json
+import math
+import re
+import statistics
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import sacrebleu
+
+from fairseq_cli_utils import REPO, env, write_fake_multi30k
+
+# one worker runs the module: the grid fixture trains 4 models once
+pytestmark = pytest.mark.xdist_group("depth_study")
+
+STUDY = REPO / "benchmarks" / "depth_study.py"
+TINY = ["--depths", "2L-1L", "--embed-dim", "16", "--ffn-dim", "32", "--heads", "2",
+        "--vocab", "60", "--max-update", "4", "--warmup", "2", "--max-tokens", "600",
+        "--validate-every", "2", "--log-interval", "1", "--threads", "1"]
+
+
+def study(*args, check=True):
+    proc = subprocess.run([sys.executable, str(STUDY), *map(str, args)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """post-ln and admin, seeds 1 and 2, published into a docs folder of its own."""
+    tmp = tmp_path_factory.mktemp("depth_study")
+    write_fake_multi30k(tmp / "m30k")
+    docs = tmp / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("# page\n\nbefore\n\n<!-- depth_study table: start -->\n"
+                                     "old table\n<!-- depth_study table: end -->\n\nafter\n")
+    out = tmp / "out"
+    proc = study("--data", tmp / "m30k", "--out", out, "--schemes", "post-ln,admin",
+                 "--seeds", "1,2", *TINY, "--publish", docs)
+    with open(out / "results.csv", newline="") as fh:
+        rows = {(r["scheme"], r["seed"]): r for r in csv.DictReader(fh)}
+    return dict(tmp=tmp, out=out, docs=docs, rows=rows, stdout=proc.stdout)
+
+
+def run_dir(grid, scheme, seed):
+    return grid["out"] / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", grid["rows"][scheme, seed]["key"])
+
+
+def test_every_run_of_the_grid_is_a_row(grid):
+    assert sorted(grid["rows"]) == [("admin", "1"), ("admin", "2"), ("post-ln", "1"),
+                                    ("post-ln", "2")]
+    for (scheme, _), r in grid["rows"].items():
+        assert r["updates"] == "4" and r["depth"] == "2L-1L" and r["embed_dim"] == "16"
+        flag = "--admin-init none" if scheme == "post-ln" else "--admin-init closed-form"
+        assert flag in r["train_command"]
+
+
+def test_published_commands_are_relative_to_the_repository(grid):
+    with open(grid["docs"] / "depth_study_results.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:
+        assert r["train_command"].startswith("python -m fairseq_cli.train OUT/data/bin "
+                                             "--user-dir fairseq_admin_pos ")
+        for text in (r["train_command"], r["generate_command"], r["study_command"]):
+            assert str(REPO) not in text and str(grid["out"]) not in text
+
+
+def test_unigram_entropy_recomputed_from_the_encoded_training_side(grid):
+    counts = Counter()
+    lines = (grid["out"] / "data" / "spm" / "train.de").read_text().splitlines()
+    for line in lines:
+        counts.update(line.split())
+    counts["</s>"] += len(lines)
+    total = sum(counts.values())
+    h = -sum(c / total * math.log2(c / total) for c in counts.values())
+    for r in grid["rows"].values():
+        assert float(r["unigram_entropy_bits"]) == pytest.approx(h, abs=5e-4)
+
+
+@pytest.mark.parametrize("scheme,seed", [("post-ln", "1"), ("admin", "2")])
+def test_losses_and_status_recomputed_from_fairseqs_log(grid, scheme, seed):
+    r = grid["rows"][scheme, seed]
+    valid, train = [], []
+    for line in (run_dir(grid, scheme, seed) / "train.log").read_text().splitlines():
+        if "| valid | {" in line:
+            valid.append(json.loads(line.split("| valid | ", 1)[1]))
+        elif "| train_inner | {" in line:
+            train.append(json.loads(line.split("| train_inner | ", 1)[1]))
+    assert [int(v["valid_num_updates"]) for v in valid] == [2, 4]
+    best = min(valid, key=lambda v: float(v["valid_loss"]))  # fairseq's checkpoint_best
+    assert float(r["best_valid_nll"]) == pytest.approx(float(best["valid_nll_loss"]), abs=5e-4)
+    assert float(r["final_train_nll"]) == pytest.approx(float(train[-1]["nll_loss"]), abs=5e-4)
+    best_nll = min(float(v["valid_nll_loss"]) for v in valid)
+    nll = [float(t["nll_loss"]) for t in train]
+    h = float(r["unigram_entropy_bits"])
+    expected = ("diverged" if nll[-1] > min(nll) + 1.0
+                else "stuck" if best_nll > h - 1.0 else "trained")
+    assert r["status"] == expected
+
+
+@pytest.mark.parametrize("scheme,seed", [("post-ln", "2"), ("admin", "1")])
+def test_bleu_recomputed_from_the_hypotheses(grid, scheme, seed):
+    hyps = (run_dir(grid, scheme, seed) / "test.hyp.de").read_text().splitlines()
+    refs = (grid["out"] / "data" / "raw" / "test.de").read_text().splitlines()
+    assert len(hyps) == len(refs) == 20
+    score = sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert float(grid["rows"][scheme, seed]["bleu"]) == pytest.approx(score, abs=0.006)
+
+
+def test_summary_gives_mean_and_sample_std_over_seeds(grid):
+    table = (grid["out"] / "results_table.md").read_text()
+    for scheme in ("post-ln", "admin"):
+        bleus = [float(grid["rows"][scheme, s]["bleu"]) for s in ("1", "2")]
+        line = next(l for l in table.splitlines()
+                    if l.startswith(f"| 2L-1L | sinusoidal | {scheme} | 1,2 |"))
+        expected = (f"{statistics.mean(bleus):.2f} +- {statistics.stdev(bleus):.2f} "
+                    f"({min(bleus):.2f}-{max(bleus):.2f})")
+        assert expected in line
+
+
+def test_publish_fills_the_table_block_and_keeps_the_curves(grid):
+    docs = grid["docs"]
+    page = (docs / "results.md").read_text()
+    assert "old table" not in page and page.startswith("# page\n\nbefore\n")
+    assert page.rstrip().endswith("after")
+    assert (grid["out"] / "results_table.md").read_text() in page
+    with open(docs / "depth_study_results.csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == 4
+    for scheme, seed in grid["rows"]:
+        published = docs / "depth_study_curves" / f"{run_dir(grid, scheme, seed).name}.json"
+        assert published.read_text() == (run_dir(grid, scheme, seed) / "curve.json").read_text()
+
+
+def test_figure_is_drawn_from_published_curves_when_the_runs_are_gone(grid, tmp_path):
+    # a new machine: the CSV and the published curves, nothing of the runs
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text((grid["docs"] / "depth_study_results.csv").read_text())
+    study("--data", grid["tmp"] / "m30k", "--out", out, "--schemes", "post-ln,admin",
+          "--seeds", "1,2", *TINY, "--report-only", "--publish", grid["docs"])
+    assert (out / "depth_study_loss.png").stat().st_size > 10_000
+
+
+def test_a_second_call_runs_nothing(grid):
+    proc = study("--data", grid["tmp"] / "m30k", "--out", grid["out"], "--schemes",
+                 "post-ln,admin", "--seeds", "1,2", *TINY)
+    assert "grid: 4 runs, 4 already in" in proc.stdout + proc.stderr
+    # each command the study runs is printed as "$ command"
+    assert not [l for l in proc.stdout.splitlines() if l.startswith("$ ") and "fairseq_cli" in l]
+
+
+def test_publish_into_a_page_without_the_markers_is_an_error(grid, tmp_path):
+    (tmp_path / "results.md").write_text("# no markers\n")
+    proc = study("--out", grid["out"], "--report-only", "--publish", tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "lacks the lines" in proc.stderr and "depth_study table: start" in proc.stderr
