@@ -3,6 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MULTI30K ?= ../shared/data/multi30k
 DEMO_OUT ?= demo_out
+# the residual scheme the demo trains: admin, post-ln, pre-ln, admin-paper, deepnorm
+SCHEME ?= admin
 
 .PHONY: install test demo
 
@@ -13,4 +15,4 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadgroup tests
 
 demo: install
-	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT)
+	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME)
