@@ -433,10 +433,13 @@ def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, de
 def unsupported_flags(scheme: str, positions: str, env) -> list:
     """Flags (or ``--optimizer`` values) of this variant that this checkout's fairseq-train
     does not know: such runs are left for a later call instead of failing."""
-    cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
-           "--arch", "admin_transformer", "--help"]
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
     flags = SCHEMES[scheme] + POSITIONS[positions]
+    # fairseq lists an optimizer's own flags only when that optimizer is chosen
+    chosen = flags[flags.index("--optimizer"):flags.index("--optimizer") + 2] \
+        if "--optimizer" in flags else []
+    cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
+           "--arch", "admin_transformer", *chosen, "--help"]
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
     missing = [f for f in flags if f.startswith("--") and f not in out]
     for i, f in enumerate(flags[:-1]):
         if f in ("--optimizer", "--encoder-pos-emb", "--pos-emb-scaled-table") and \

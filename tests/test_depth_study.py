@@ -2,6 +2,7 @@
 row recomputed from the run's own files, the summary's mean +- std, publishing, and a second
 call that finds the grid done."""
 import csv
+import importlib.util
 import json
 import math
 import re
@@ -161,3 +162,27 @@ def test_publish_into_a_page_without_the_markers_is_an_error(grid, tmp_path):
     proc = study("--out", grid["out"], "--report-only", "--publish", tmp_path, check=False)
     assert proc.returncode != 0
     assert "lacks the lines" in proc.stderr and "depth_study table: start" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def depth_study_module():
+    spec = importlib.util.spec_from_file_location("depth_study", STUDY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("scheme,positions", [("admin-paper", "sinusoidal"),
+                                              ("admin", "scaled-sinusoidal")])
+def test_every_planned_variant_is_known_to_this_checkout(depth_study_module, scheme, positions):
+    # admin-paper's --radam-early-steps is listed by fairseq only once --optimizer radam is
+    # chosen: the check must not pass such a variant over
+    assert depth_study_module.unsupported_flags(scheme, positions,
+                                                depth_study_module.fairseq_env(1)) == []
+
+
+def test_a_flag_this_checkout_lacks_is_reported(depth_study_module, monkeypatch):
+    monkeypatch.setitem(depth_study_module.SCHEMES, "future",
+                        ["--admin-init", "none", "--optimizer", "radam", "--radam-future", "1"])
+    assert depth_study_module.unsupported_flags("future", "sinusoidal",
+                                                depth_study_module.fairseq_env(1)) == ["--radam-future"]
