@@ -435,8 +435,8 @@ def unsupported_flags(scheme: str, positions: str, env) -> list:
     does not know: such runs are left for a later call instead of failing."""
     flags = SCHEMES[scheme] + POSITIONS[positions]
     # fairseq lists an optimizer's own flags only when that optimizer is chosen
-    chosen = flags[flags.index("--optimizer"):flags.index("--optimizer") + 2] \
-        if "--optimizer" in flags else []
+    at = flags.index("--optimizer") if "--optimizer" in flags else len(flags)
+    chosen = flags[at:at + 2]
     cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
            "--arch", "admin_transformer", *chosen, "--help"]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
@@ -816,12 +816,15 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     plt.close(fig)
 
 
+def published_curve(dest: Path, row) -> Path:
+    """Where ``--publish DEST`` keeps a row's curve, so that a study started again in a new
+    output folder still draws the rows recorded before: ``DEST/depth_study_curves/<run>.json``."""
+    return dest / "depth_study_curves" / f"{Path(row['curve_file']).parent.name}.json"
+
+
 def curve_path(out: Path, row, published: Path) -> Path | None:
-    """The row's ``curve.json`` under ``out``, else its published copy (``--publish DIR``
-    keeps them in ``DIR/depth_study_curves/``, so a study started again in a new output
-    folder still draws the rows recorded before), else None."""
-    for path in (out / row["curve_file"],
-                 published / "depth_study_curves" / f"{Path(row['curve_file']).parent.name}.json"):
+    """The row's ``curve.json`` under ``out``, else its published copy, else None."""
+    for path in (out / row["curve_file"], published_curve(published, row)):
         if path.is_file():
             return path
     return None
@@ -847,12 +850,10 @@ def publish(out: Path, dest: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     shutil.copyfile(out / "depth_study_loss.png", dest / "depth_study_loss.png")
-    curves = dest / "depth_study_curves"
-    curves.mkdir(exist_ok=True)
+    (dest / "depth_study_curves").mkdir(exist_ok=True)
     for r in rows:
-        src = out / r["curve_file"]
-        if src.is_file():
-            shutil.copyfile(src, curves / f"{src.parent.name}.json")
+        if (out / r["curve_file"]).is_file():
+            shutil.copyfile(out / r["curve_file"], published_curve(dest, r))
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
     table = (out / "results_table.md").read_text()

@@ -28,12 +28,13 @@ def test_demo_end_to_end(tmp_path):
     assert "+ " in proc.stdout and "fairseq-train" in proc.stdout
     assert "--user-dir" in proc.stdout and "--arch admin_transformer" in proc.stdout
     assert "--encoder-layers 3" in proc.stdout and "--admin-init closed-form" in proc.stdout
-    res = json.loads((out / "admin-3L-1L" / "results.json").read_text())
+    run = out / "admin-3L-1L"  # the scheme, and the depths as they differ from the demo's
+    res = json.loads((run / "results.json").read_text())
     assert res["test_sentences"] == SPLITS["test_2016_flickr"]
-    valid = [l for l in (out / "admin-3L-1L" / "train.log").read_text().splitlines() if "| valid |" in l]
+    valid = [l for l in (run / "train.log").read_text().splitlines() if "| valid |" in l]
     assert f"nll_loss {res['valid_nll_bits']:.3f}" in valid[-1]
     # BLEU recomputed independently from the written hypotheses and the raw references
-    hyps = (out / "admin-3L-1L" / "test.hyp.de").read_text(encoding="utf-8").splitlines()
+    hyps = (run / "test.hyp.de").read_text(encoding="utf-8").splitlines()
     with gzip.open(tmp_path / "m30k" / "test_2016_flickr.de.gz", "rt", encoding="utf-8") as fh:
         refs = fh.read().splitlines()
     assert len(hyps) == len(refs)
@@ -44,7 +45,7 @@ def test_demo_end_to_end(tmp_path):
     again = run_demo(args)
     assert again.returncode == 0
     assert "fairseq-preprocess" not in again.stdout
-    assert "num_updates 6" in (out / "admin-3L-1L" / "train.log").read_text()
+    assert "num_updates 6" in (run / "train.log").read_text()
     # the Post-LN baseline side by side: same data and recipe, its own run folder
     base = run_demo(args + ["--scheme", "post-ln"])
     assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]

@@ -207,6 +207,9 @@ def train_command(args, data_bin: Path, save_dir: Path) -> List[str]:
     ]
 
 
+# the demo's model: a deep encoder over a shallow decoder
+DEMO_DEPTHS = (12, 3)
+
 # the settings a run folder is tied to: resuming a checkpoint trained with others would fail
 # inside fairseq (other shapes) or silently mix two recipes (other lr, batch, seed)
 RUN_SETTINGS = ("dim", "vocab", "max_tokens", "lr", "warmup", "seed")
@@ -215,7 +218,7 @@ RUN_SETTINGS = ("dim", "vocab", "max_tokens", "lr", "warmup", "seed")
 def run_name(args) -> str:
     """``<scheme>`` at the demo's depths, ``<scheme>-<E>L-<D>L`` at others, so that
     ``--scheme post-ln --decoder-layers 12`` does not resume the 12L-3L run."""
-    if (args.encoder_layers, args.decoder_layers) == (12, 3):
+    if (args.encoder_layers, args.decoder_layers) == DEMO_DEPTHS:
         return args.scheme
     return f"{args.scheme}-{args.encoder_layers}L-{args.decoder_layers}L"
 
@@ -305,8 +308,10 @@ def main(argv=None) -> None:
                    help="folder with Multi30k raw files (train/val/test_2016_flickr .en/.de, "
                    ".gz or plain); missing files are downloaded")
     p.add_argument("--out", type=Path, default=Path("demo_out"), help="output folder (default demo_out)")
-    p.add_argument("--encoder-layers", type=int, default=12, help="encoder depth (default 12)")
-    p.add_argument("--decoder-layers", type=int, default=3, help="decoder depth (default 3)")
+    p.add_argument("--encoder-layers", type=int, default=DEMO_DEPTHS[0],
+                   help=f"encoder depth (default {DEMO_DEPTHS[0]})")
+    p.add_argument("--decoder-layers", type=int, default=DEMO_DEPTHS[1],
+                   help=f"decoder depth (default {DEMO_DEPTHS[1]})")
     p.add_argument("--dim", type=int, default=128, help="model width; FFN is 4x (default 128)")
     p.add_argument("--scheme", default="admin", choices=tuple(SCHEMES),
                    help="residual scheme: admin (default; closed-form omegas, trainable), "
