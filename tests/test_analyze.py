@@ -13,6 +13,7 @@ import csv
 import math
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 
 import pytest
@@ -175,6 +176,18 @@ def test_variants_registry_takes_new_entries(monkeypatch, tmp_path):
     r = next(r for r in results if r.variant == "admin-o1" and r.encoder_layers == 2)
     assert r.omegas["encoder"] == pytest.approx([2.0] * 4)  # omega^2 = N = 4
     assert r.omegas["decoder"] == pytest.approx([math.sqrt(6)] * 6)
+
+
+def test_random_token_mode_leaves_no_temporary_folder(monkeypatch, tmp_path):
+    # its dictionaries are written to a temporary folder, which must go when the run ends
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    args = analyze.get_parser().parse_args(
+        [*SMALL, "--depths", "1", "--variants", "post-ln", "--trials", "1",
+         "--out-dir", str(tmp_path / "out")])
+    assert len(analyze.run_analysis(args)) == 1
+    assert list(scratch.iterdir()) == []
 
 
 def test_batch_from_a_binarized_data_dir(tiny_data, tmp_path):

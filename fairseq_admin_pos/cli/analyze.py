@@ -385,12 +385,15 @@ def _check_measurement_args(args) -> None:
 
 def run_analysis(args) -> List[Result]:
     check_args(args)
-    if args.data is None:
-        dict_dir = tempfile.mkdtemp(prefix="admin_analyze_")
+    if args.data is not None:
+        return _run_analysis(args, args.data, ())
+    # the random-token mode needs only dictionaries; they live as long as the measurement
+    with tempfile.TemporaryDirectory(prefix="admin_analyze_") as dict_dir:
         _write_dicts(dict_dir, args.vocab)
-        data, langs = dict_dir, ("src", "tgt")
-    else:
-        data, langs = args.data, ()
+        return _run_analysis(args, dict_dir, ("src", "tgt"))
+
+
+def _run_analysis(args, data: str, langs) -> List[Result]:
     results = []
     for seed in args.seed_list:
         for n_layers in args.depth_list:
