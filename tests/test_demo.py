@@ -10,8 +10,8 @@ import sacrebleu
 from fairseq_cli_utils import MULTI30K_SPLITS as SPLITS, REPO, env, write_fake_multi30k
 
 
-def run_demo(args, **kw):
-    return subprocess.run([sys.executable, "-m", "fairseq_admin_pos.cli.demo", *map(str, args)],
+def run_demo(args, module="fairseq_admin_pos.cli.demo", **kw):
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)],
                           cwd=REPO, env=kw.pop("env", env()), capture_output=True, text=True,
                           timeout=600, **kw)
 
@@ -46,8 +46,9 @@ def test_demo_end_to_end(tmp_path):
     assert again.returncode == 0
     assert "fairseq-preprocess" not in again.stdout
     assert "num_updates 6" in (run / "train.log").read_text()
-    # the Post-LN baseline side by side: same data and recipe, its own run folder
-    base = run_demo(args + ["--scheme", "post-ln"])
+    # the Post-LN baseline side by side: same data and recipe, its own run folder; through
+    # the short name the docs give (python -m fairseq_admin_pos.demo --scheme post-ln)
+    base = run_demo(args + ["--scheme", "post-ln"], module="fairseq_admin_pos.demo")
     assert base.returncode == 0, base.stdout[-3000:] + base.stderr[-3000:]
     assert "fairseq-preprocess" not in base.stdout and "--admin-init none" in base.stdout
     post = json.loads((out / "post-ln-3L-1L" / "results.json").read_text())
