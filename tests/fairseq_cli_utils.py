@@ -1,18 +1,27 @@
 """Shared helpers for tests that go through fairseq's command-line tools.
 
 Tiny, seeded, generated data (a reversal task) so tests never depend on ../shared or the
-network; the CLIs run as subprocesses of the test interpreter (``python -m fairseq_cli.*``)
-with ``--user-dir`` pointing at the package, exactly the path a user takes.
+network; the CLIs run as child processes (``python -m fairseq_cli.*`` semantics) with
+``--user-dir`` pointing at the package, the path a user takes. ``run`` forks them from a
+process that has imported torch and fairseq once (``cli_zygote.py``: the imports are most of
+a tiny run's CPU); ``run(..., fresh=True)`` starts a new interpreter instead, for the tests
+about importing itself.
 """
 from __future__ import annotations
 
+import atexit
 import gzip
+import json
 import os
 import random
 import re
+import select
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Dict, List, Sequence
 
@@ -60,10 +69,75 @@ def write_reversal_corpus(folder: Path, n_train=240, n_valid=24, n_test=24, voca
                 t.write(" ".join(reversed(sent)) + "\n")
 
 
-def run(module: str, args: Sequence[str], cwd=None, check=True, timeout=600):
+class _Zygote:
+    """The client of one ``cli_zygote.py`` process (started on first use, one per test
+    process; it ends when this process closes its stdin)."""
+
+    def __init__(self):
+        self.proc = None
+        self.buffer = b""  # read from the pipe, not yet returned as lines
+        self.lock = threading.Lock()
+
+    def run(self, module, argv, cwd, timeout, stdin) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,
+                env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+            self.buffer = b""
+            atexit.register(self.close)
+        with tempfile.TemporaryDirectory(prefix="cli_run_") as tmp:
+            req = dict(module=module, argv=argv, cwd=str(cwd), env=env(),
+                       stdin=os.path.join(tmp, "stdin"),
+                       stdout=os.path.join(tmp, "stdout"), stderr=os.path.join(tmp, "stderr"))
+            Path(req["stdin"]).write_text(stdin or "")
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            pid = json.loads(self._line(None))["pid"]
+            try:
+                rc = json.loads(self._line(timeout))["rc"]
+            except subprocess.TimeoutExpired:
+                os.kill(pid, signal.SIGKILL)
+                self._line(None)
+                raise subprocess.TimeoutExpired([module, *argv], timeout) from None
+            out, err = (Path(req[k]).read_text(errors="replace") for k in ("stdout", "stderr"))
+        return subprocess.CompletedProcess([module, *argv], rc, out, err)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # its loop ends
+            self.proc.wait(timeout=60)
+
+    def _line(self, timeout) -> str:
+        # unbuffered reads, so that select() sees every byte not yet consumed
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("cli_zygote", timeout)
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"cli_zygote.py ended (exit status {self.proc.wait()})")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+
+_ZYGOTE = _Zygote()
+
+
+def run(module: str, args: Sequence[str], cwd=None, check=True, timeout=600, fresh=False,
+        input=None):
+    """``python -m module args`` in ``cwd`` (default: the repository) with ``env()`` and
+    ``input`` (text) on stdin; forked from the zygote unless ``fresh`` (or another thread is
+    using it)."""
     cmd = [sys.executable, "-m", module, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
+    if not fresh and _ZYGOTE.lock.acquire(blocking=False):
+        try:
+            proc = _ZYGOTE.run(module, cmd[3:], cwd or REPO, timeout, input)
+        finally:
+            _ZYGOTE.lock.release()
+        proc.args = cmd
+    else:
+        proc = subprocess.run(cmd, cwd=cwd or REPO, env=env(), capture_output=True, text=True,
+                              timeout=timeout, input=input)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -11,15 +11,13 @@ initial model rebuilt with the training seed.
 """
 import csv
 import math
-import subprocess
-import sys
 import tempfile
 from collections import defaultdict
 
 import pytest
 import torch
 
-from fairseq_cli_utils import REPO, TINY_MODEL, env, load_model_state, train
+from fairseq_cli_utils import TINY_MODEL, load_model_state, run, train
 from model_utils import build
 
 from fairseq_admin_pos.cli import analyze
@@ -29,8 +27,7 @@ DEPTHS = [1, 2, 4, 8]
 
 
 def run_tool(args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "fairseq_admin_pos.cli.analyze", *map(str, args)],
-                          cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    proc = run("fairseq_admin_pos.cli.analyze", args, check=False)
     if check and proc.returncode != 0:
         raise AssertionError(proc.stdout[-3000:] + proc.stderr[-3000:])
     return proc

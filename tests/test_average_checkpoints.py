@@ -17,7 +17,7 @@ VENV_BIN = os.path.join(REPO, ".venv", "bin")
 sys.path.insert(0, REPO)
 
 from fairseq_admin_pos.cli import average_checkpoints as avg  # noqa: E402
-from fairseq_cli_utils import preprocess, write_reversal_corpus  # noqa: E402
+from fairseq_cli_utils import preprocess, run, write_reversal_corpus  # noqa: E402
 from fairseq_cli_utils import env as cli_env  # noqa: E402
 
 
@@ -36,14 +36,12 @@ def run_dir(tmp_path_factory):
     write_reversal_corpus(base / "raw", n_train=48, n_valid=8, n_test=8, vocab=15, max_len=8)
     preprocess(base / "raw", base / "bin")
     save = base / "run"
-    result = subprocess.run(
-        ["fairseq-train", str(base / "bin"), "--user-dir", os.path.join(REPO, "fairseq_admin_pos"),
-         "--arch", "admin_transformer_tiny", "--admin-omega", "parameter", "--share-all-embeddings",
-         "--optimizer", "adam", "--lr", "5e-3", "--max-tokens", "200", "--max-epoch", "3",
-         "--save-interval-updates", "2", "--keep-interval-updates", "-1", "--cpu",
-         "--num-workers", "0", "--seed", "3", "--save-dir", str(save), "--disable-validation"],
-        capture_output=True, text=True, env=env(), cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run("fairseq_cli.train", [
+        base / "bin", "--user-dir", os.path.join(REPO, "fairseq_admin_pos"),
+        "--arch", "admin_transformer_tiny", "--admin-omega", "parameter", "--share-all-embeddings",
+        "--optimizer", "adam", "--lr", "5e-3", "--max-tokens", "200", "--max-epoch", "3",
+        "--save-interval-updates", "2", "--keep-interval-updates", "-1", "--cpu",
+        "--num-workers", "0", "--seed", "3", "--save-dir", save, "--disable-validation"])
     return save
 
 

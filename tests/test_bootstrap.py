@@ -8,7 +8,6 @@ import os
 import site
 import subprocess
 import sys
-from pathlib import Path
 
 from fairseq_cli_utils import REPO
 

@@ -66,7 +66,7 @@ def test_user_dir_paths(tiny_data, tmp_path, cwd_kind):
         tiny_data, "--user-dir", user_dir, "--arch", "admin_transformer_tiny", "--cpu",
         "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "400", "--max-update", "1",
         "--save-dir", tmp_path / "ck", "--no-save", "--disable-validation", "--num-workers", "0",
-    ], cwd=cwd)
+    ], cwd=cwd, fresh=True)  # the import through --user-dir itself: a new interpreter
 
 
 def test_parity_with_stock_transformer_through_cli(tiny_data, tmp_path):
@@ -140,13 +140,9 @@ def test_validate_and_interactive(tiny_data, admin_checkpoint):
                                        "--cpu", "--valid-subset", "valid", "--num-workers", "0",
                                        "--max-tokens", "400"])
     assert re.search(r"valid on 'valid' subset \| loss [0-9.]+", out.stdout + out.stderr)
-    proc = subprocess.run(
-        [sys.executable, "-m", "fairseq_cli.interactive", str(tiny_data), "--user-dir", USER_DIR,
-         "--path", str(admin_checkpoint), "--cpu", "--beam", "2", "--source-lang", "src",
-         "--target-lang", "tgt"],
-        input="w1 w2 w3\nw4 w5\n", env=env(), capture_output=True, text=True, cwd=REPO, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run("fairseq_cli.interactive", [
+        tiny_data, "--user-dir", USER_DIR, "--path", admin_checkpoint, "--cpu", "--beam", "2",
+        "--source-lang", "src", "--target-lang", "tgt"], input="w1 w2 w3\nw4 w5\n", timeout=300)
     assert len([ln for ln in proc.stdout.splitlines() if ln.startswith("H-")]) == 2
 
 

@@ -16,9 +16,6 @@ import sacrebleu
 
 from fairseq_cli_utils import REPO, env, write_fake_multi30k
 
-# one worker runs the module: the grid fixture trains 4 models once
-pytestmark = pytest.mark.xdist_group("depth_study")
-
 STUDY = REPO / "benchmarks" / "depth_study.py"
 TINY = ["--depths", "2L-1L", "--embed-dim", "16", "--ffn-dim", "32", "--heads", "2",
         "--vocab", "60", "--max-update", "4", "--warmup", "2", "--max-tokens", "600",

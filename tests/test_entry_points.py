@@ -34,10 +34,6 @@ from fairseq_cli_utils import (
 VENV_BIN = Path(sys.executable).parent
 HYDRA_DIR = REPO / "examples" / "wmt14_en_de" / "hydra"
 HYDRA_CONFIG = "admin_18l_18l"
-# tests sharing a module fixture run on one xdist worker (make test: --dist loadgroup), so
-# each fixture's training runs once
-HYDRA_RUNS = pytest.mark.xdist_group("entry_points_hydra_runs")
-SPM_RUN = pytest.mark.xdist_group("entry_points_spm_run")
 
 
 def console(tool, args, stdin=None, check=True, timeout=600):
@@ -194,7 +190,6 @@ def hydra_and_argparse_runs(tiny_data, tmp_path_factory):
                          root / "argparse" / "checkpoint_last.pt")}
 
 
-@HYDRA_RUNS
 def test_hydra_train_matches_fairseq_train(hydra_and_argparse_runs):
     """Same losses at every update and the same weights as fairseq-train with the recipe."""
     (h_log, h_ck), (a_log, a_ck) = (hydra_and_argparse_runs[k] for k in ("hydra", "argparse"))
@@ -209,7 +204,6 @@ def test_hydra_train_matches_fairseq_train(hydra_and_argparse_runs):
             assert v == a[k], k
 
 
-@HYDRA_RUNS
 def test_hydra_applies_architecture_and_plugin_settings(hydra_and_argparse_runs):
     """The built model has the 18L-18L architecture's depth (not overridden), the widths of
     the overrides, and the plugin settings of the config file and the overrides: positions,
@@ -241,7 +235,6 @@ def test_hydra_applies_architecture_and_plugin_settings(hydra_and_argparse_runs)
         assert all(b > a + 1e-3 for a, b in zip(means, means[1:])), means
 
 
-@HYDRA_RUNS
 def test_hydra_checkpoint_generates_like_fairseq_train(tiny_data, hydra_and_argparse_runs):
     """A checkpoint written by fairseq-hydra-train loads in fairseq-generate and translates
     exactly as the fairseq-train one."""
@@ -387,7 +380,6 @@ def interactive_out(spm_run):
     return hypothesis_lines(proc.stdout)
 
 
-@SPM_RUN
 def test_interactive_sentencepiece_matches_generate(spm_run, interactive_out):
     """Raw text through fairseq-interactive (sentencepiece applied by fairseq) gives the
     hypotheses, scores and detokenized text of fairseq-generate on the binarized test set."""
@@ -404,7 +396,6 @@ def test_interactive_sentencepiece_matches_generate(spm_run, interactive_out):
         assert text == "".join(pieces.split()).replace("\u2581", " ").strip()
 
 
-@SPM_RUN
 def test_hub_translates_raw_text_like_interactive(spm_run, interactive_out):
     """TransformerModel.from_pretrained(..., bpe='sentencepiece', user_dir=...) translates raw
     sentences into interactive's detokenized hypotheses, with the same scores."""

@@ -279,7 +279,6 @@ def build_wmt_site(root, src, tgt, rng, n_train=(60, 40, 40), n_dev=10, n_test=1
     """The WMT14 archives under root/wmt1x/ for src-tgt (en-de or en-fr). Returns what the
     test checks against: the train pairs as written, and the raw test references."""
     pair = f"{tgt}-{src}"  # WMT names the pair de-en / fr-en
-    train = {}
     names = {
         "de": [("wmt13/training-parallel-europarl-v7.tgz", f"training/europarl-v7.{pair}"),
                ("wmt13/training-parallel-commoncrawl.tgz", f"commoncrawl.{pair}"),
