@@ -69,6 +69,33 @@ def test_user_dir_paths(tiny_data, tmp_path, cwd_kind):
     ], cwd=cwd, fresh=True)  # the import through --user-dir itself: a new interpreter
 
 
+def test_forked_run_is_a_new_interpreters_run(tiny_data, tmp_path):
+    """The suite forks fairseq commands from a process with torch and fairseq imported
+    (tests/cli_zygote.py); a run that way prints the same log lines and losses, exits with the
+    same status and writes the same weights as ``python -m fairseq_cli.train`` itself."""
+    argv = [tiny_data, "--user-dir", USER_DIR, "--arch", "admin_transformer", *TINY_MODEL,
+            "--admin-omega", "parameter", "--cpu", "--seed", "3", "--optimizer", "adam",
+            "--lr", "1e-3", "--max-tokens", "400", "--max-update", "3", "--log-interval", "1",
+            "--no-progress-bar", "--num-workers", "0", "--disable-validation"]
+    procs = {kind: run("fairseq_cli.train", argv + ["--save-dir", tmp_path / kind],
+                       fresh=kind == "fresh") for kind in ("fresh", "forked")}
+    logs = {k: p.stdout + p.stderr for k, p in procs.items()}
+    assert len(train_losses(logs["fresh"])) == 3
+    assert train_losses(logs["forked"]) == train_losses(logs["fresh"])
+    # fairseq_cli.train's own log format, on the same stream
+    assert procs["forked"].stdout.count("| INFO | fairseq_cli.train |") == \
+        procs["fresh"].stdout.count("| INFO | fairseq_cli.train |") > 0
+    a = load_model_state(tmp_path / "fresh" / "checkpoint_last.pt")
+    b = load_model_state(tmp_path / "forked" / "checkpoint_last.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if k != "_extra_state")
+    # a failing command: the same exit status and error message either way
+    bad = {kind: run("fairseq_cli.train", argv + ["--admin-init", "nope"], check=False,
+                     fresh=kind == "fresh") for kind in ("fresh", "forked")}
+    assert bad["forked"].returncode == bad["fresh"].returncode == 2
+    assert "--admin-init" in bad["forked"].stderr
+    assert bad["forked"].stderr.splitlines()[-1] == bad["fresh"].stderr.splitlines()[-1]
+
+
 def test_parity_with_stock_transformer_through_cli(tiny_data, tmp_path):
     """--admin-init none --admin-omega buffer: same losses, same weights, same translations."""
     extra = TINY_MODEL + ["--dropout", "0.1"]
