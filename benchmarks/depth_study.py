@@ -141,14 +141,19 @@ PLANS = {
         # deep Admin better than shallow Admin" for seed 1
         + [(s, "6L-6L", 1, "sinusoidal") for s in ("admin", "pre-ln", "post-ln", "deepnorm",
                                                    "admin-paper")]
-        + [(s, _DEEP_ENC, 1, "sinusoidal") for s in _ALL5]
         + [("admin", "12L-3L", 1, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
-        + [(s, "12L-12L", 2, "sinusoidal") for s in _ALL5]
-        + [(s, _DEEP_ENC, 2, "sinusoidal") for s in ("admin", "pre-ln", "admin-paper")]
         + [("admin", "12L-3L", 2, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
-        + [(s, "12L-12L", 3, "sinusoidal") for s in _ALL5]
-        + [(s, _DEEP_ENC, 3, "sinusoidal") for s in ("admin", "pre-ln", "admin-paper")]
         + [("admin", "12L-3L", seed, "scaled-sinusoidal-seed") for seed in (1, 2)]
+        # then the two claims in turn, Admin and Pre-LN first: the deep encoder, the spread
+        # of the 12L-12L headline, the other schemes; a second seed of each before a third
+        + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [(s, "12L-12L", 2, "sinusoidal") for s in ("post-ln", "admin", "pre-ln")]
+        + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("post-ln", "deepnorm", "admin-paper")]
+        + [(s, "12L-12L", 2, "sinusoidal") for s in ("deepnorm", "admin-paper")]
+        + [(s, _DEEP_ENC, 2, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [(s, "12L-12L", 3, "sinusoidal") for s in _ALL5]
+        + [(s, _DEEP_ENC, 3, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [("admin-paper", _DEEP_ENC, seed, "sinusoidal") for seed in (2, 3)]
     ),
 }
 

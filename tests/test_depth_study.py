@@ -183,3 +183,20 @@ def test_a_flag_this_checkout_lacks_is_reported(depth_study_module, monkeypatch)
                         ["--admin-init", "none", "--optimizer", "radam", "--radam-future", "1"])
     assert depth_study_module.unsupported_flags("future", "sinusoidal",
                                                 depth_study_module.fairseq_env(1)) == ["--radam-future"]
+
+
+def test_demo_scale_plan_is_the_issues_grid_once_each(depth_study_module):
+    # issue 12: 5 schemes x {6L-6L, 12L-12L, deep encoder}; 3 seeds at 12L-12L and for the
+    # deep-encoder admin, pre-ln (and admin-paper) rows, 1 elsewhere; 4 position variants of
+    # Admin at the demo's 12L-3L with 2 seeds each
+    plan = depth_study_module.PLANS["demo-scale"]
+    schemes = ("post-ln", "pre-ln", "admin", "admin-paper", "deepnorm")
+    deep = depth_study_module._DEEP_ENC
+    expected = {(s, "6L-6L", 1, "sinusoidal") for s in schemes}
+    expected |= {(s, "12L-12L", seed, "sinusoidal") for s in schemes for seed in (1, 2, 3)}
+    expected |= {(s, deep, seed, "sinusoidal") for s in schemes
+                 for seed in ((1, 2, 3) if s in ("admin", "pre-ln", "admin-paper") else (1,))}
+    expected |= {("admin", "12L-3L", seed, p) for seed in (1, 2)
+                 for p in ("sinusoidal", "scaled-sinusoidal", "learned", "scaled-sinusoidal-seed")}
+    assert len(plan) == len(set(plan)) == 39
+    assert set(plan) == expected
