@@ -163,7 +163,7 @@ CSV_FIELDS = [
     "embed_dim", "ffn_dim", "heads", "lr", "warmup", "max_tokens", "dropout",
     "status", "reason", "updates", "final_train_loss", "final_train_nll", "min_train_nll",
     "best_valid_loss", "best_valid_nll", "best_valid_ppl", "unigram_entropy_bits",
-    "bleu", "bleu_signature", "train_wall_s", "updates_per_s", "generate_wall_s",
+    "bleu", "bleu_signature", "distinct_hyps", "train_wall_s", "updates_per_s", "generate_wall_s",
     "threads", "cpu", "finished_utc", "study_command", "train_command",
     "generate_command", "curve_file", "final_shortcuts",
 ]
@@ -513,6 +513,15 @@ def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
     return score.score, sig, wall, cmd_text
 
 
+def distinct_translations(hyp_file: Path) -> str:
+    """How many different sentences the test translations are ("" without the file): a
+    model that learned only the German side (a language model that ignores the source)
+    passes the loss-based verdict but gives the same sentence for every input."""
+    if not hyp_file.is_file():
+        return ""
+    return str(len(set(hyp_file.read_text().splitlines())))
+
+
 def finished_training(run_dir: Path, save_dir: Path, cmd):
     """``(log text, command text, training seconds)`` of a run in ``run_dir`` that trained to
     the end with exactly ``cmd`` (recorded in ``command.txt``) and still has its checkpoints,
@@ -612,6 +621,7 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
         "best_valid_ppl": fmt(best["ppl"], 1) if best else "",
         "unigram_entropy_bits": fmt(unigram_bits),
         "bleu": fmt(bleu, 2), "bleu_signature": sig,
+        "distinct_hyps": distinct_translations(run_dir / f"test.hyp.{TGT}") if sig else "",
         "train_wall_s": fmt(wall, 1), "updates_per_s": fmt(updates / wall if wall else 0.0),
         "generate_wall_s": fmt(gen_wall, 1), "threads": args.threads, "cpu": cpu_name(),
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -632,6 +642,9 @@ def read_rows(path: Path):
     for r in rows:  # rows written before a column existed
         for f in CSV_FIELDS:
             r.setdefault(f, "")
+        if not r["distinct_hyps"] and r["curve_file"]:  # counted from the run if still there
+            r["distinct_hyps"] = distinct_translations(
+                path.parent / Path(r["curve_file"]).parent / f"test.hyp.{TGT}")
         for f in ("train_command", "generate_command", "study_command"):
             r[f] = relative(r[f], path.parent)
         r["study"] = r["study"] or f"d{r['embed_dim']}-{r['max_update']}upd"
@@ -731,9 +744,9 @@ def write_table(rows, path: Path, planned=()) -> None:
         lines += [
             "", "Every run:", "",
             "| # | depth | positions | scheme | seed | updates | status | final train nll (bits) | "
-            "best valid nll (bits) / ppl | BLEU | final shortcut weights / position scale | "
-            "train wall (s) | updates/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "best valid nll (bits) / ppl | BLEU | distinct translations | "
+            "final shortcut weights / position scale | train wall (s) | updates/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rs:
             n += 1
@@ -746,7 +759,7 @@ def write_table(rows, path: Path, planned=()) -> None:
                 f"| {n} | {r['depth']} | {r['positions']} | {r['scheme']} | {r['seed']} | "
                 f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
                 f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
-                f"{shown} | {r['train_wall_s']} | {r['updates_per_s']} |"
+                f"{r['distinct_hyps'] or '-'} | {shown} | {r['train_wall_s']} | {r['updates_per_s']} |"
             )
         missing = [m for m in planned if m[0] == study]
         if missing:
@@ -759,7 +772,10 @@ def write_table(rows, path: Path, planned=()) -> None:
     lines += [f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
               f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "",
               "Omega columns: mean/min/max over every omega entry of the stack after the last "
-              "update; position scale: the learned scalar of the scaled sinusoid.", "",
+              "update; position scale: the learned scalar of the scaled sinusoid. Distinct "
+              "translations: different sentences among the test set's translations (1 means "
+              "the same sentence for every source: the model ignores the source; '-' where "
+              "the run's translations were lost).", "",
               "Commands per row:", ""]
     for i, r in enumerate(numbered, 1):
         lines.append(f"{i}. `{r['study_command']}`  \n   train: `{r['train_command']}`  \n"

@@ -112,6 +112,28 @@ def test_bleu_recomputed_from_the_hypotheses(grid, scheme, seed):
     assert float(grid["rows"][scheme, seed]["bleu"]) == pytest.approx(score, abs=0.006)
 
 
+@pytest.mark.parametrize("scheme,seed", [("post-ln", "1"), ("admin", "2")])
+def test_distinct_translations_counted_from_the_hypotheses(grid, scheme, seed):
+    hyps = (run_dir(grid, scheme, seed) / "test.hyp.de").read_text().splitlines()
+    assert int(grid["rows"][scheme, seed]["distinct_hyps"]) == len(set(hyps))
+
+
+def test_distinct_translations_of_an_older_row_come_from_its_run(depth_study_module, tmp_path):
+    # a row written before the column existed: counted from the run's translations if the
+    # run folder is still there, left empty otherwise
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "test.hyp.de").write_text("Ein Hund.\nEin Hund.\nEine Katze.\nEin Hund.\n")
+    fields = [f for f in depth_study_module.CSV_FIELDS if f != "distinct_hyps"]
+    with open(tmp_path / "results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerow({"key": "a", "curve_file": "runs/a/curve.json"})
+        writer.writerow({"key": "gone", "curve_file": "runs/gone/curve.json"})
+    rows = depth_study_module.read_rows(tmp_path / "results.csv")
+    assert [r["distinct_hyps"] for r in rows] == ["2", ""]
+
+
 def test_summary_gives_mean_and_sample_std_over_seeds(grid):
     table = (grid["out"] / "results_table.md").read_text()
     for scheme in ("post-ln", "admin"):
