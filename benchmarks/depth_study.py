@@ -759,7 +759,8 @@ def write_table(rows, path: Path, planned=()) -> None:
                 f"| {n} | {r['depth']} | {r['positions']} | {r['scheme']} | {r['seed']} | "
                 f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
                 f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
-                f"{r['distinct_hyps'] or '-'} | {shown} | {r['train_wall_s']} | {r['updates_per_s']} |"
+                f"{r['distinct_hyps'] or '-'} | {shown} | {r['train_wall_s']} | "
+                f"{r['updates_per_s']} |"
             )
         missing = [m for m in planned if m[0] == study]
         if missing:
