@@ -149,10 +149,14 @@ PLANS = {
         + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin", "pre-ln")]
         + [(s, "12L-12L", 2, "sinusoidal") for s in ("post-ln", "admin", "pre-ln")]
         + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("post-ln", "deepnorm", "admin-paper")]
-        + [(s, "12L-12L", 2, "sinusoidal") for s in ("deepnorm", "admin-paper")]
+        + [("deepnorm", "12L-12L", 2, "sinusoidal")]
+        # the three seeds the claims rest on (Admin vs Pre-LN at 12L-12L and the deep
+        # encoder) before the rows that only tighten a verdict already seen
         + [(s, _DEEP_ENC, 2, "sinusoidal") for s in ("admin", "pre-ln")]
-        + [(s, "12L-12L", 3, "sinusoidal") for s in _ALL5]
+        + [(s, "12L-12L", 3, "sinusoidal") for s in ("admin", "pre-ln")]
         + [(s, _DEEP_ENC, 3, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [("admin-paper", "12L-12L", 2, "sinusoidal")]
+        + [(s, "12L-12L", 3, "sinusoidal") for s in ("post-ln", "deepnorm", "admin-paper")]
         + [("admin-paper", _DEEP_ENC, seed, "sinusoidal") for seed in (2, 3)]
     ),
 }
