@@ -26,10 +26,10 @@ Steps (every fairseq / data command is printed before it runs):
 2. For each run not yet in ``OUT/results.csv``: ``fairseq-train`` with ``--arch
    admin_transformer`` of this package (validation every ``max_update / 4`` updates), then
    ``fairseq-generate`` of ``checkpoint_best.pt`` (lowest validation loss; at the demo
-   recipe the last checkpoint or, in a few runs, the epoch-end one at update 680) on
-   test_2016_flickr (beam 4, lenpen 0.6) and detokenized sacreBLEU against the raw
-   references. A run that trained to the end but was not recorded (the study was stopped)
-   is evaluated, not trained again.
+   recipe mostly the last checkpoint, in about a quarter of the runs the epoch-end one at
+   update 680) on test_2016_flickr (beam 4, lenpen 0.6) and detokenized sacreBLEU against
+   the raw references. A run that trained to the end but was not recorded (the study was
+   stopped) is evaluated, not trained again.
 3. One CSV row per finished run is added (a later call adds rows, an interrupted grid
    resumes where it stopped), then the markdown table ``OUT/results_table.md`` (summary over
    seeds, every run, the runs of the grid still missing) and the loss-curve figure
