@@ -14,7 +14,20 @@ one scheme per model with ``--admin-residual``:
                     scalar starting at 0, no LayerNorm     is All You Need", arXiv 2003.04887
 ``rezero-post-ln``  ``LN(x + a * f(x))``                   same paper, its "Post-Norm +
                                                            ReZero" variant (Table 1)
+``b2t``             Post-LN plus the layer input ``x_l``   Takase et al. 2023, "B2T
+                    added into the layer's last LN:        Connection: Serving Stability
+                    ``LN(h + f(h) + x_l)``; every Linear   and Performance in Deep
+                    weight of a layer times N^(-1/2)       Transformers" (Findings of ACL)
+``resi-dual``       Post-LN stream ``LN(x + f(x))`` and    Xie et al. 2023, "ResiDual:
+                    the dual sum ``d + f(x)``; stack       Transformer with Dual Residual
+                    output ``x_N + LN(d_N)``               Connections", arXiv 2304.14802
 ==================  =====================================  ==================================
+
+B2T and ResiDual change the *layer* and the *stack* (a term that skips sub-layers, a second
+stream), which a per-sub-layer residual module cannot express: their layers and stacks are in
+:mod:`fairseq_admin_pos.models.b2t_resi_dual`; their sub-layer shortcuts are the plain
+``x + f(x)`` (a :class:`Float32OmegaResidual` with omega = 1). This module holds B2T's
+initialisation, :func:`b2t_rescale_init_`.
 
 ``f(x)`` is the dropped-out sub-layer output (self-attention, encoder attention or FFN).
 Every residual module here is called as ``module(x, f_x)`` with ``x`` the shortcut and
@@ -65,12 +78,13 @@ __all__ = [
     "deepnorm_constants",
     "xavier_normal_gain_",
     "deepnorm_init_",
+    "b2t_rescale_init_",
     "Float32OmegaResidual",
     "ReZeroResidual",
 ]
 
 #: the ``--admin-residual`` choices, in the order of the table above
-RESIDUAL_SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln")
+RESIDUAL_SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln", "b2t", "resi-dual")
 
 #: dtypes whose rounding of a fixed shortcut weight would bias every step (omega = 3.04
 #: is 3.03125 in bfloat16, 3.041 in float16)
@@ -165,6 +179,33 @@ def deepnorm_init_(
             f"deepnorm_init_: {type(layer).__name__} has none of the attentions "
             f"{tuple(attention_names)} or FFN linears {tuple(ffn_names)}"
         )
+
+
+def b2t_rescale_init_(layer: nn.Module, num_layers: int) -> int:
+    r"""B2T's initialisation of one layer, in place: every ``nn.Linear`` weight of ``layer``
+    (attention q/k/v/out projections, encoder attention, FFN ``fc1``/``fc2``) is multiplied
+    by ``num_layers^(-1/2)``, ``num_layers`` the layer count of the layer's stack; biases and
+    LayerNorms stay as they are. Returns the number of weights rescaled.
+
+    Source: the authors' code (takase/b2t_connection, ``fairseq/modules/transformer_layer.py``,
+    ``rescaling_init``, called in every encoder and decoder layer's constructor whenever
+    ``--residual-bottom-to-top`` is on) multiplies every parameter whose name contains
+    ``weight`` and not ``layer_norm`` by ``layer_num ** -0.5``; on fairseq's layers these are
+    exactly the Linear weights (here selected by type, so NormFormer's extra LayerNorms,
+    whose names lack ``layer_norm``, are not rescaled). The paper's equations do not show
+    this step; it is part of every B2T run of the authors' code, so it is part of ``b2t``.
+    """
+    n = _check_layers(num_layers, "num_layers")
+    scale = n ** -0.5
+    count = 0
+    with torch.no_grad():
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.mul_(scale)
+                count += 1
+    if count == 0:
+        raise ValueError(f"b2t_rescale_init_: {type(layer).__name__} has no Linear layer")
+    return count
 
 
 def _is_compiling() -> bool:

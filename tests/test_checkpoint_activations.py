@@ -20,6 +20,8 @@ SCHEMES = {
     "deepnorm": ["--admin-residual", "deepnorm"],
     "rezero": ["--admin-residual", "rezero"],
     "rezero-post-ln": ["--admin-residual", "rezero-post-ln"],
+    "b2t": ["--admin-residual", "b2t"],
+    "resi-dual": ["--admin-residual", "resi-dual"],  # the dual stream crosses each checkpoint
 }
 MEMORY = {"plain": [], "checkpoint": ["--checkpoint-activations"],
           "offload": ["--offload-activations"]}  # fairseq: offload implies checkpointing
@@ -76,7 +78,7 @@ def test_same_loss_and_gradients_with_checkpointing(tiny_data, scheme):
             assert torch.equal(v, ref_omegas[k]), k
 
 
-@pytest.mark.parametrize("scheme", ["admin", "rezero"])
+@pytest.mark.parametrize("scheme", ["admin", "rezero", "resi-dual"])
 def test_same_gradients_with_dropout(tiny_data, scheme):
     """Dropout on: fairseq restores the forward RNG state for the recomputation, so the
     masks, the loss and the gradients are still the same."""

@@ -25,6 +25,9 @@ SCHEMES = {
     "rezero": ["--admin-residual", "rezero"],
     "rezero-post-ln": ["--admin-residual", "rezero-post-ln"],
     "profile-loaded": ["--admin-init", "profile"],
+    # ResiDual's stacks also compute the dual-stream norm for the monitor in training
+    "b2t": ["--admin-residual", "b2t"],
+    "resi-dual": ["--admin-residual", "resi-dual"],
 }
 # bfloat16 (fairseq's --bf16 model cast): every scheme once, positions rotated
 BF16 = [(s, POSITIONS[i % len(POSITIONS)]) for i, s in enumerate(SCHEMES)]

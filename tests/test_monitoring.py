@@ -1,5 +1,5 @@
-"""Training you can watch: per-stack omegas, ReZero scalars, position scales and gradient
-norms in fairseq's logs (``fairseq_admin_pos/models/monitoring.py``).
+"""Training you can watch: per-stack omegas, ReZero scalars, position scales, ResiDual's
+dual-stream norms and gradient norms in fairseq's logs (``fairseq_admin_pos/models/monitoring.py``).
 
 Through ``fairseq-train`` as a user runs it: the values appear in the ``train_inner`` lines,
 the epoch summary, ``--log-format json`` and the ``--tensorboard-logdir`` event files (read
@@ -278,3 +278,46 @@ def test_monitor_does_no_host_device_sync(tiny_data):
     assert values["enc_gnorm"] == pytest.approx(2 * enc, abs=1e-3)
     assert values["enc_pos_scale"] == pytest.approx(
         model.encoder.embed_positions.embed.scaling.item(), abs=1e-5)
+
+
+# --------------------------------------------------------------------------------------- #
+# ResiDual's dual stream
+# --------------------------------------------------------------------------------------- #
+def test_resi_dual_dual_norms_match_a_hand_computation(tiny_data):
+    """enc_dual_norm / dec_dual_norm: the mean over real tokens of ||d_K||_2, the dual stream
+    the last layer of each stack returns in the update's forward, recomputed here from that
+    tensor (boolean indexing, float64); logging them reads nothing back to the host."""
+    from fairseq.logging import metrics
+
+    from fairseq_admin_pos.models import monitoring
+
+    trainer = _trainer(tiny_data, "admin_transformer", ["--admin-residual", "resi-dual",
+                                                        "--dropout", "0"])
+    model = trainer.get_model()
+    duals = {}
+    model.encoder.layers[-1].register_forward_hook(
+        lambda m, a, out: duals.__setitem__("enc", out[1].detach().clone()))
+    model.decoder.layers[-1].register_forward_hook(
+        lambda m, a, out: duals.__setitem__("dec", out[3].detach().clone()))
+    sample = next(iter(trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)))
+    with metrics.aggregate(new_root=True) as agg:
+        trainer.train_step([sample])
+    values = agg.get_smoothed_values()
+    net = sample["net_input"]
+    pad = model.encoder.padding_idx
+    for key, tokens in (("enc", net["src_tokens"]), ("dec", net["prev_output_tokens"])):
+        real = tokens.ne(pad).t()  # (T, B), the dual stream is time-major
+        assert not real.all()  # the batch has padding to leave out
+        want = duals[key].double().norm(dim=-1)[real].mean().item()
+        assert want > 1
+        assert values[f"{key}_dual_norm"] == pytest.approx(want, abs=6e-4)
+    with metrics.aggregate(new_root=True), NoValueReads():
+        monitoring.log_dual_norms(model)
+
+
+@pytest.mark.parametrize("scheme", ["admin", "b2t"])
+def test_dual_norms_are_logged_for_resi_dual_only(tiny_data, scheme):
+    agg = _one_update(_trainer(tiny_data, "admin_transformer", ["--admin-residual", scheme]
+                               if scheme != "admin" else []))
+    assert "enc_gnorm" in agg
+    assert not any(k.endswith("_dual_norm") for k in agg.get_smoothed_values())

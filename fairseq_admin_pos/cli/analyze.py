@@ -35,7 +35,9 @@ Variants are entries of :data:`VARIANTS`: a name, the extra ``admin_transformer`
 command-line arguments, and an optional ``prepare(model, net_input)`` run after building
 (profiling uses it). The residual-scheme rivals (``--admin-residual``, see
 :mod:`fairseq_admin_pos.schemes`) are entries too: ``deepnorm`` (omega column = DeepNorm's
-alpha), ``rezero`` and ``rezero-post-ln`` (omega column = 1, the plain shortcut). ReZero's
+alpha), ``rezero``, ``rezero-post-ln``, ``b2t`` and ``resi-dual`` (omega column = 1, the
+plain shortcut; B2T's extra term and ResiDual's dual stream and its final LayerNorm are not
+branch weights, so ``--perturb branches`` leaves them as they are). ReZero's
 branch scalars start at 0, so every layer is the identity at initialisation and the output
 does not depend on any branch weight: its output change under ``--perturb branches`` is
 exactly 0 at every depth (the scalars themselves are perturbed relative to their rms, 0).
@@ -117,6 +119,8 @@ VARIANTS: Dict[str, Variant] = {
     "deepnorm": Variant("DeepNorm", ("--admin-residual", "deepnorm")),
     "rezero": Variant("ReZero (no LN)", ("--admin-residual", "rezero")),
     "rezero-post-ln": Variant("ReZero Post-LN", ("--admin-residual", "rezero-post-ln")),
+    "b2t": Variant("B2T connection", ("--admin-residual", "b2t")),
+    "resi-dual": Variant("ResiDual", ("--admin-residual", "resi-dual")),
 }
 
 #: what ``--variants`` runs when not given

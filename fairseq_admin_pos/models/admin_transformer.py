@@ -34,7 +34,15 @@ vector of size ``embed_dim`` (Transformer-Clinic's form).
   their own constants;
 * ``rezero``: ``x + a * f(x)``, ``a`` a trainable scalar starting at 0, the sub-layer
   LayerNorms replaced by identities (each stack is the identity at initialisation);
-* ``rezero-post-ln``: ``LN(x + a * f(x))``.
+* ``rezero-post-ln``: ``LN(x + a * f(x))``;
+* ``b2t``: Post-LN with B2T's bottom-to-top connection, the layer input added into each
+  layer's last LayerNorm (``LN(h + f(h) + x)``), every Linear weight of a layer scaled by
+  ``N^(-1/2)`` at initialisation;
+* ``resi-dual``: ResiDual's Post-LN stream ``LN(x + f(x))`` plus the dual stream
+  ``d + f(x)`` (float32), stack output ``x_N + LN(d_N)``.
+
+B2T's layers and ResiDual's layers and stacks are in
+:mod:`fairseq_admin_pos.models.b2t_resi_dual` (formulas and sources there).
 
 The rivals set the shortcut weights themselves: ``--admin-init`` defaults to ``none`` for
 them and any other value, ``--admin-omega parameter`` or Pre-LN
@@ -73,6 +81,14 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq_admin_pos.admin import calculate_init
 from fairseq_admin_pos.models import admin_profile
 from fairseq_admin_pos.models import config as model_config
+from fairseq_admin_pos.models.b2t_resi_dual import (
+    B2TDecoderLayer,
+    B2TEncoderLayer,
+    ResiDualDecoderLayer,
+    ResiDualDecoderStack,
+    ResiDualEncoderLayer,
+    ResiDualEncoderStack,
+)
 from fairseq_admin_pos.models.layers import (
     AdminTransformerDecoderLayer,
     AdminTransformerEncoderLayer,
@@ -84,6 +100,7 @@ from fairseq_admin_pos.schemes import (
     RESIDUAL_SCHEMES,
     Float32OmegaResidual,
     ReZeroResidual,
+    b2t_rescale_init_,
     deepnorm_constants,
     deepnorm_init_,
 )
@@ -188,11 +205,14 @@ def residual_factory(cfg, side: str):
 
     admin: :class:`Float32OmegaResidual` with this side's initial omega and the chosen form;
     deepnorm: the same with omega = DeepNorm's alpha of this side (a float32 buffer);
-    rezero / rezero-post-ln: :class:`ReZeroResidual` (``x + a * f_x``, ``a`` = 0).
+    rezero / rezero-post-ln: :class:`ReZeroResidual` (``x + a * f_x``, ``a`` = 0);
+    b2t / resi-dual: the plain ``x + f_x`` (omega = 1 as a buffer: stock fairseq's sum).
     """
     scheme = residual_scheme(cfg)
     if scheme in ("rezero", "rezero-post-ln"):
         return lambda embed_dim: ReZeroResidual(0.0)
+    if scheme in ("b2t", "resi-dual"):
+        return lambda embed_dim: Float32OmegaResidual(1.0, as_parameter=False)
     if scheme == "deepnorm":
         alpha = deepnorm_side_constants(cfg, side)[0]
         return lambda embed_dim: Float32OmegaResidual(alpha, as_parameter=False)
@@ -205,11 +225,20 @@ def residual_factory(cfg, side: str):
     return build
 
 
+#: the layer classes of the schemes that change the layer itself (the others: residual modules)
+ENCODER_LAYERS = {"b2t": B2TEncoderLayer, "resi-dual": ResiDualEncoderLayer}
+DECODER_LAYERS = {"b2t": B2TDecoderLayer, "resi-dual": ResiDualDecoderLayer}
+
+
 def _scheme_layer(cfg, side: str, layer: nn.Module) -> nn.Module:
     # DeepNorm re-draws the FFN/value/output projections after fairseq's init (beta of this
-    # side); nothing to do for the other schemes
-    if residual_scheme(cfg) == "deepnorm":
+    # side); B2T scales every Linear weight by N^(-1/2) (N: this side's layers); nothing to
+    # do for the other schemes
+    scheme = residual_scheme(cfg)
+    if scheme == "deepnorm":
         deepnorm_init_(layer, deepnorm_side_constants(cfg, side)[1])
+    elif scheme == "b2t":
+        b2t_rescale_init_(layer, getattr(cfg, side).layers)
     return layer
 
 
@@ -241,7 +270,8 @@ class AdminTransformerEncoder(HostSyncFreeEncoderBase):
             )
 
     def build_encoder_layer(self, cfg):
-        layer = AdminTransformerEncoderLayer(
+        layer_cls = ENCODER_LAYERS.get(residual_scheme(cfg), AdminTransformerEncoderLayer)
+        layer = layer_cls(
             cfg,
             residual_factory(cfg, "encoder"),
             return_fc=self.return_fc,
@@ -273,13 +303,35 @@ class AdminTransformerDecoder(HostSyncFreeDecoderBase):
             )
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        layer = AdminTransformerDecoderLayer(
+        layer_cls = DECODER_LAYERS.get(residual_scheme(cfg), AdminTransformerDecoderLayer)
+        layer = layer_cls(
             cfg,
             residual_factory(cfg, "decoder"),
             no_encoder_attn=no_encoder_attn,
             sublayer_layer_norm=residual_scheme(cfg) != "rezero",
         )
         return _wrap_layer(cfg, _scheme_layer(cfg, "decoder", layer))
+
+
+class ResiDualTransformerEncoder(ResiDualEncoderStack, AdminTransformerEncoder):
+    """``--admin-residual resi-dual`` encoder: output ``x_N + LN_d(d_N)`` with the dual stream
+    ``d`` carried through the layers (``b2t_resi_dual.ResiDualEncoderStack``); positions and
+    host-sync-free forward as :class:`AdminTransformerEncoder`."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
+        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        self.init_dual(embed_tokens.embedding_dim)
+
+
+class ResiDualTransformerDecoder(ResiDualDecoderStack, AdminTransformerDecoder):
+    """``--admin-residual resi-dual`` decoder: features ``x_M + LN_d(d_M)``, the dual stream
+    carried through the layers, step by step when decoding incrementally
+    (``b2t_resi_dual.ResiDualDecoderStack``)."""
+
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
+                         output_projection=output_projection)
+        self.init_dual(cfg.decoder.embed_dim)
 
 
 def resolve_position_flags(args) -> None:
@@ -377,22 +429,26 @@ def check_normalize_before(args) -> None:
 
 
 def check_residual_scheme(args) -> None:
-    """DeepNorm and ReZero set their shortcut weights themselves and are Post-LN (or LN-free)
-    schemes: refuse the combinations that would silently mean something else."""
+    """DeepNorm, ReZero, B2T and ResiDual set their shortcut weights themselves and are Post-LN
+    (or LN-free) schemes: refuse the combinations that would silently mean something else.
+    B2T and ResiDual use the plain shortcut ``x + f(x)``: neither paper weights it, and
+    Admin's omega inside their Post-LN sub-layers would be a new, untested scheme."""
     scheme = args.admin_residual
     if scheme == "admin":
         return
     if args.admin_init != "none":
         raise ValueError(
             f"--admin-residual {scheme} sets its own shortcut weights; it cannot be combined "
-            f"with --admin-init {args.admin_init} (drop --admin-init: it defaults to none for "
-            f"{scheme}), or use --admin-residual admin for Admin's omegas"
+            f"with --admin-init {args.admin_init} (valid with {scheme}: --admin-init none, "
+            f"the default for {scheme}; drop --admin-init), or use --admin-residual admin "
+            "for Admin's omegas"
         )
     if args.admin_omega != "buffer":
         raise ValueError(
             f"--admin-omega {args.admin_omega} is Admin's trainable omega and does not apply "
             f"to --admin-residual {scheme} (DeepNorm's alpha is a constant, ReZero's scalar is "
-            "always trained); drop --admin-omega"
+            "always trained, B2T and ResiDual add the plain shortcut x); valid with "
+            f"{scheme}: --admin-omega buffer (the default; drop --admin-omega)"
         )
     pre_ln = [
         flag
@@ -436,8 +492,12 @@ class AdminTransformerModel(TransformerModel):
             "2020, see --admin-init); deepnorm = LN(alpha * x + f(x)) with DeepNet's alpha and "
             "beta-scaled init (Wang et al. 2022, arXiv 2203.00555); rezero = x + a * f(x), a "
             "a trainable scalar from 0, no LayerNorm (Bachlechner et al. 2020, arXiv "
-            "2003.04887); rezero-post-ln = LN(x + a * f(x)). The rivals of admin take no "
-            "--admin-init/--admin-omega and no Pre-LN. Default: admin",
+            "2003.04887); rezero-post-ln = LN(x + a * f(x)); b2t = Post-LN plus the layer "
+            "input added into each layer's last LN, LN(h + f(h) + x), Linear weights x "
+            "N^-1/2 (Takase et al. 2023, B2T connection, Findings of ACL); resi-dual = "
+            "Post-LN stream LN(x + f(x)) plus the dual sum d + f(x), stack output "
+            "x_N + LN(d_N) (Xie et al. 2023, ResiDual, arXiv 2304.14802). The rivals of "
+            "admin take no --admin-init/--admin-omega and no Pre-LN. Default: admin",
         )
         group.add_argument(
             "--admin-init",
@@ -525,14 +585,16 @@ class AdminTransformerModel(TransformerModel):
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
-        return AdminTransformerEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
+        stack = (ResiDualTransformerEncoder if residual_scheme(args) == "resi-dual"
+                 else AdminTransformerEncoder)
+        return stack(TransformerConfig.from_namespace(args), src_dict, embed_tokens)
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(args)
-        return AdminTransformerDecoder(
-            cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention
-        )
+        stack = (ResiDualTransformerDecoder if residual_scheme(args) == "resi-dual"
+                 else AdminTransformerDecoder)
+        return stack(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
     # -- settings travel with the weights ------------------------------------------------
     def get_extra_state(self):
@@ -574,7 +636,7 @@ def _default(args, name, value):
 def admin_base_architecture(args):
     """Transformer base (512/2048/8 heads, 6L-6L) with Admin closed-form O(logn) omegas."""
     _default(args, "admin_residual", "admin")
-    # DeepNorm/ReZero set their own shortcut weights: Admin's omega stays 1 for them
+    # the rivals set their own shortcut weights: Admin's omega stays 1 for them
     _default(args, "admin_init", "closed-form" if args.admin_residual == "admin" else "none")
     _default(args, "admin_output_change_scale", "O(logn)")
     _default(args, "admin_omega", "buffer")

@@ -84,15 +84,41 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
         encoder_padding_mask: Optional[Tensor],
         attn_mask: Optional[Tensor] = None,
     ):
-        if attn_mask is not None:
-            # fairseq's convention: 1 = masked; -1e8 not -inf so fully masked rows stay finite
-            attn_mask = attn_mask.masked_fill(
-                attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4
-            )
+        attn_mask = self._attention_mask(attn_mask, x)
 
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
+        x = self._self_attn_branch(x, encoder_padding_mask, attn_mask)
+        x = self.self_attn_residual(residual, x)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x, fc_result = self._ffn_branch(x)
+        x = self.final_residual(residual, x)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+
+        if self.return_fc and not torch.jit.is_scripting():
+            return x, fc_result
+        return x
+
+    # -- the branches f(x), shared with the layers of other schemes (b2t_resi_dual.py) ----
+    @staticmethod
+    def _attention_mask(attn_mask: Optional[Tensor], x: Tensor) -> Optional[Tensor]:
+        if attn_mask is None:
+            return None
+        # fairseq's convention: 1 = masked; -1e8 not -inf so fully masked rows stay finite
+        return attn_mask.masked_fill(
+            attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4
+        )
+
+    def _self_attn_branch(self, x, encoder_padding_mask: Optional[Tensor],
+                          attn_mask: Optional[Tensor]) -> Tensor:
+        """``dropout(SelfAttn(x))``, ``(T, B, C)``."""
         x, _ = self.self_attn(
             query=x,
             key=x,
@@ -101,26 +127,15 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
             need_weights=False,
             attn_mask=attn_mask,
         )
-        x = self.dropout_module(x)
-        x = self.self_attn_residual(residual, x)
-        if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
+        return self.dropout_module(x)
 
-        residual = x
-        if self.normalize_before:
-            x = self.final_layer_norm(x)
+    def _ffn_branch(self, x):
+        """``(dropout(FFN(x)), FFN(x))``: the branch and fairseq's ``fc_result`` (before
+        dropout), both ``(T, B, C)``."""
         x = self.activation_fn(self.fc1(x))
         x = self.activation_dropout_module(x)
         x = self.fc2(x)
-        fc_result = x
-        x = self.dropout_module(x)
-        x = self.final_residual(residual, x)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
-
-        if self.return_fc and not torch.jit.is_scripting():
-            return x, fc_result
-        return x
+        return self.dropout_module(x), x
 
 
 class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
@@ -177,6 +192,53 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
+        x, attn = self._self_attn_branch(
+            x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
+            self_attn_mask, self_attn_padding_mask,
+        )
+        x = self.self_attn_residual(residual, x)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        # --- encoder-decoder attention ---------------------------------------------
+        if self.encoder_attn is not None and encoder_out is not None:
+            residual = x
+            if self.normalize_before:
+                x = self.encoder_attn_layer_norm(x)
+            x, attn = self._encoder_attn_branch(
+                x, encoder_out, encoder_padding_mask, incremental_state, prev_attn_state,
+                need_attn, need_head_weights,
+            )
+            x = self.encoder_attn_residual(residual, x)
+            if not self.normalize_before:
+                x = self.encoder_attn_layer_norm(x)
+
+        # --- feed-forward -----------------------------------------------------------
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self._ffn_branch(x)
+        if self.w_resid is not None:  # NormFormer's learned residual weight
+            residual = torch.mul(self.w_resid, residual)
+        x = self.final_residual(residual, x)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+
+        return self._layer_output(x, attn, incremental_state, self_attn_padding_mask)
+
+    # -- the branches f(x), shared with the layers of other schemes (b2t_resi_dual.py) ----
+    def _self_attn_branch(
+        self,
+        x,
+        encoder_out: Optional[Tensor],
+        encoder_padding_mask: Optional[Tensor],
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]],
+        prev_self_attn_state: Optional[List[Tensor]],
+        self_attn_mask: Optional[Tensor],
+        self_attn_padding_mask: Optional[Tensor],
+    ):
+        """``(dropout(SelfAttn(x)), attn)``: masked self-attention (cross+self-attention with
+        ``--cross-self-attention``), NormFormer's head scales and LN when configured."""
         if prev_self_attn_state is not None:
             self._restore_state(self.self_attn, incremental_state, prev_self_attn_state)
         _self_attn_input_buffer = self.self_attn._get_input_buffer(incremental_state)
@@ -220,49 +282,44 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
             x = x.reshape(tgt_len, bsz, self.embed_dim)
         if self.attn_ln is not None:
             x = self.attn_ln(x)
-        x = self.dropout_module(x)
-        x = self.self_attn_residual(residual, x)
-        if not self.normalize_before:
-            x = self.self_attn_layer_norm(x)
+        return self.dropout_module(x), attn
 
-        # --- encoder-decoder attention ---------------------------------------------
-        if self.encoder_attn is not None and encoder_out is not None:
-            residual = x
-            if self.normalize_before:
-                x = self.encoder_attn_layer_norm(x)
-            if prev_attn_state is not None:
-                self._restore_state(self.encoder_attn, incremental_state, prev_attn_state)
-            x, attn = self.encoder_attn(
-                query=x,
-                key=encoder_out,
-                value=encoder_out,
-                key_padding_mask=encoder_padding_mask,
-                incremental_state=incremental_state,
-                static_kv=True,
-                need_weights=need_attn or (not self.training and self.need_attn),
-                need_head_weights=need_head_weights,
-            )
-            x = self.dropout_module(x)
-            x = self.encoder_attn_residual(residual, x)
-            if not self.normalize_before:
-                x = self.encoder_attn_layer_norm(x)
+    def _encoder_attn_branch(
+        self,
+        x,
+        encoder_out: Optional[Tensor],
+        encoder_padding_mask: Optional[Tensor],
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]],
+        prev_attn_state: Optional[List[Tensor]],
+        need_attn: bool,
+        need_head_weights: bool,
+    ):
+        """``(dropout(CrossAttn(x, encoder_out)), attention weights or None)``."""
+        if prev_attn_state is not None:
+            self._restore_state(self.encoder_attn, incremental_state, prev_attn_state)
+        x, attn = self.encoder_attn(
+            query=x,
+            key=encoder_out,
+            value=encoder_out,
+            key_padding_mask=encoder_padding_mask,
+            incremental_state=incremental_state,
+            static_kv=True,
+            need_weights=need_attn or (not self.training and self.need_attn),
+            need_head_weights=need_head_weights,
+        )
+        return self.dropout_module(x), attn
 
-        # --- feed-forward -----------------------------------------------------------
-        residual = x
-        if self.normalize_before:
-            x = self.final_layer_norm(x)
+    def _ffn_branch(self, x) -> Tensor:
+        """``dropout(FFN(x))`` (NormFormer's FFN LayerNorm when configured)."""
         x = self.activation_fn(self.fc1(x))
         x = self.activation_dropout_module(x)
         if self.ffn_layernorm is not None:
             x = self.ffn_layernorm(x)
         x = self.fc2(x)
-        x = self.dropout_module(x)
-        if self.w_resid is not None:  # NormFormer's learned residual weight
-            residual = torch.mul(self.w_resid, residual)
-        x = self.final_residual(residual, x)
-        if not self.normalize_before:
-            x = self.final_layer_norm(x)
+        return self.dropout_module(x)
 
+    def _layer_output(self, x, attn, incremental_state, self_attn_padding_mask):
+        """fairseq's return value ``(x, attn, self-attention state for ONNX or None)``."""
         if self.onnx_trace and incremental_state is not None:
             saved_state = self.self_attn._get_input_buffer(incremental_state)
             assert saved_state is not None
@@ -323,19 +380,8 @@ class HostSyncFreeEncoderBase(TransformerEncoderBase):
         if return_all_hiddens:
             encoder_states.append(x)
 
-        for layer in self.layers:
-            lr = layer(x, encoder_padding_mask=encoder_padding_mask)
-
-            if isinstance(lr, tuple) and len(lr) == 2:
-                x, fc_result = lr
-            else:
-                x = lr
-                fc_result = None
-
-            if return_all_hiddens and not torch.jit.is_scripting():
-                assert encoder_states is not None
-                encoder_states.append(x)
-                fc_results.append(fc_result)
+        x = self.forward_layers(x, encoder_padding_mask, return_all_hiddens, encoder_states,
+                                fc_results)
 
         if self.layer_norm is not None:
             x = self.layer_norm(x)
@@ -355,6 +401,26 @@ class HostSyncFreeEncoderBase(TransformerEncoderBase):
             "src_tokens": [],
             "src_lengths": [src_lengths],
         }
+
+    def forward_layers(self, x, encoder_padding_mask, return_all_hiddens: bool,
+                       encoder_states: List[Tensor], fc_results: List[Optional[Tensor]]):
+        """The layers on the embedding output ``x`` ``(T, B, C)``: fairseq's loop (states
+        appended when ``return_all_hiddens``). A scheme that carries more than ``x`` from
+        layer to layer (ResiDual's dual stream) overrides this."""
+        for layer in self.layers:
+            lr = layer(x, encoder_padding_mask=encoder_padding_mask)
+
+            if isinstance(lr, tuple) and len(lr) == 2:
+                x, fc_result = lr
+            else:
+                x = lr
+                fc_result = None
+
+            if return_all_hiddens and not torch.jit.is_scripting():
+                assert encoder_states is not None
+                encoder_states.append(x)
+                fc_results.append(fc_result)
+        return x
 
 
 class HostSyncFreeDecoderBase(TransformerDecoderBase):
@@ -435,7 +501,42 @@ class HostSyncFreeDecoderBase(TransformerDecoderBase):
         if self.cross_self_attention or incremental_state is None:
             self_attn_padding_mask = prev_output_tokens.eq(self.padding_idx)
 
-        # decoder layers
+        x, attn, inner_states = self.forward_layers(
+            x, enc, padding_mask, incremental_state, self_attn_padding_mask,
+            full_context_alignment, alignment_layer,
+        )
+
+        if attn is not None:
+            if alignment_heads is not None:
+                attn = attn[:alignment_heads]
+
+            # average probabilities over heads
+            attn = attn.mean(dim=0)
+
+        if self.layer_norm is not None:
+            x = self.layer_norm(x)
+
+        # T x B x C -> B x T x C
+        x = x.transpose(0, 1)
+
+        if self.project_out_dim is not None:
+            x = self.project_out_dim(x)
+
+        return x, {"attn": [attn], "inner_states": inner_states}
+
+    def forward_layers(
+        self,
+        x,
+        enc: Optional[Tensor],
+        padding_mask: Optional[Tensor],
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]],
+        self_attn_padding_mask: Optional[Tensor],
+        full_context_alignment: bool,
+        alignment_layer: int,
+    ):
+        """The layers on the embedding output ``x`` ``(T, B, C)``: fairseq's loop. Returns
+        ``(x, attention of alignment_layer or None, inner states)``. A scheme that carries
+        more than ``x`` from layer to layer (ResiDual's dual stream) overrides this."""
         attn: Optional[Tensor] = None
         inner_states: List[Optional[Tensor]] = [x]
         for idx, layer in enumerate(self.layers):
@@ -457,21 +558,4 @@ class HostSyncFreeDecoderBase(TransformerDecoderBase):
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)
-
-        if attn is not None:
-            if alignment_heads is not None:
-                attn = attn[:alignment_heads]
-
-            # average probabilities over heads
-            attn = attn.mean(dim=0)
-
-        if self.layer_norm is not None:
-            x = self.layer_norm(x)
-
-        # T x B x C -> B x T x C
-        x = x.transpose(0, 1)
-
-        if self.project_out_dim is not None:
-            x = self.project_out_dim(x)
-
-        return x, {"attn": [attn], "inner_states": inner_states}
+        return x, attn, inner_states

@@ -17,14 +17,23 @@ the epoch summary, ``--log-format json`` and ``--tensorboard-logdir``):
 (``dec_rezero_*``)                         (``--admin-residual rezero``/``rezero-post-ln``)
 ``enc_pos_scale``, ``dec_pos_scale``       the scaled sinusoid's scale
                                            (``--*-pos-emb scaled-sinusoidal``)
+``enc_dual_norm``, ``dec_dual_norm``       ResiDual's dual stream (``--admin-residual
+                                           resi-dual``): mean over real tokens of
+                                           ``||d_N||_2``, the sum of every branch output
+                                           of the stack before its LayerNorm, in the last
+                                           training batch of each update
 =========================================  ==============================================
 
 Only what exists and trains is logged: fixed omegas (``--admin-omega buffer``, profiled
 or closed form) and DeepNorm's alpha never change (``fairseq-admin-analyze --checkpoint``
-prints them).
+prints them). B2T adds no weight and no stream (its extra term is the layer input), so it
+adds nothing here. The dual stream is what ResiDual adds to watch: it grows with depth and
+training (the paper's fp16 remark, Appendix G.3), and here it is carried in float32.
 
 The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
-``gnorm``; ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²`` (a criterion's own parameters
+``gnorm``; so are the dual-stream norms (each update's value is the stack's
+``last_dual_norm``, a 0-dim tensor the ResiDual stack computes in its training forward,
+``models/b2t_resi_dual.py``). ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²`` (a criterion's own parameters
 count in ``gnorm`` only). Embeddings are a group of
 their own because with ``--share-all-embeddings`` one matrix serves the encoder input, the
 decoder input and the output projection; counting it in a stack would make that stack's
@@ -46,8 +55,8 @@ which flattens the parameters):
   total norm ``gnorm``; every gradient carries the same factor, so ``gnorm * raw_group /
   raw_total`` is the group's true norm exactly;
 * ``set_num_updates``: the trainer's runs after the optimizer step, and only when the update
-  was taken (not on an fp16/amp overflow); the group norms and the shortcut statistics are
-  logged there. (The *model's* ``set_num_updates`` runs before each forward, one update
+  was taken (not on an fp16/amp overflow); the group norms, the shortcut statistics and
+  the dual-stream norms are logged there. (The *model's* ``set_num_updates`` runs before each forward, one update
   behind, and never sees the last update.)
 """
 from __future__ import annotations
@@ -79,6 +88,8 @@ _SHORTCUT_PRIORITY = 600
 _GNORM_ROUND = 3  # as fairseq's gnorm
 _SHORTCUT_ROUND = 4
 _POS_SCALE_ROUND = 5  # starts at 1/sqrt(d): 0.0442 for d = 512
+_DUAL_PRIORITY = 700
+_DUAL_ROUND = 3
 
 
 def gradient_group(name: str) -> Optional[str]:
@@ -215,6 +226,24 @@ def log_shortcut_stats(model: nn.Module) -> None:
         )
 
 
+def dual_norms(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """``{"enc_dual_norm": t, "dec_dual_norm": t}`` for a ResiDual model after a training
+    forward (0-dim tensors on the model's device, as the stacks left them); ``{}`` for the
+    other schemes."""
+    out = {}
+    for stack, prefix in STACK_PREFIX.items():
+        value = getattr(getattr(model, stack), "last_dual_norm", None)
+        if value is not None:
+            out[f"{prefix}_dual_norm"] = value
+    return out
+
+
+def log_dual_norms(model: nn.Module) -> None:
+    # averaged over the interval like gnorm: an activation statistic varies with the batch
+    for i, (name, value) in enumerate(dual_norms(model).items()):
+        metrics.log_scalar(name, value, priority=_DUAL_PRIORITY + i, round=_DUAL_ROUND)
+
+
 def _monitored(trainer) -> Optional[nn.Module]:
     model = trainer.get_model()
     return model if isinstance(model, AdminTransformerModel) else None
@@ -250,6 +279,7 @@ def _wrap_set_num_updates(set_num_updates):
         if norms is not None:
             log_group_norms(norms)
         log_shortcut_stats(model)
+        log_dual_norms(model)
 
     wrapper.__admin_monitoring__ = True
     return wrapper
