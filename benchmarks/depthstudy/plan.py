@@ -1,0 +1,126 @@
+"""What the depth study runs: the residual schemes and position variants (their
+``fairseq-train`` flags), the recipes, the predefined grids, and the key that names a run."""
+from __future__ import annotations
+
+import sys
+
+from .common import REPO
+
+sys.path.insert(0, str(REPO))
+# the schemes of `make demo --scheme` (one definition for both); importing the demo module
+# imports neither torch nor fairseq
+from fairseq_admin_pos.cli.demo import SCHEMES as DEMO_SCHEMES  # noqa: E402
+
+SCHEMES = {
+    **{k: v for k, v in DEMO_SCHEMES.items() if k != "admin-paper"},
+    # the d=64 study's profiled Admin: eval-mode statistics, padding excluded, Adam
+    "admin-profile": ["--admin-init", "profile", "--admin-profile-mode", "eval",
+                      "--admin-omega", "parameter"],
+    "admin-paper": DEMO_SCHEMES["admin-paper"],
+}
+# issue 22's factorial: omega source {closed form, eval profile, Clinic profile} x optimizer
+# {Adam, RAdam with Clinic's early steps}; admin, admin-profile and admin-paper are three of
+# its six cells, these the other three
+_RADAM = ["--optimizer", "radam", "--radam-early-steps", "skip"]
+SCHEMES["admin-radam"] = SCHEMES["admin"] + _RADAM
+SCHEMES["admin-profile-radam"] = SCHEMES["admin-profile"] + _RADAM
+SCHEMES["admin-paper-adam"] = [f for f in SCHEMES["admin-paper"] if f not in _RADAM]
+SCHEMES = {k: SCHEMES[k] for k in ("post-ln", "pre-ln", "admin", "admin-profile",
+                                    "admin-paper", "deepnorm", "admin-radam",
+                                    "admin-profile-radam", "admin-paper-adam")}
+
+# position variants (both sides); "sinusoidal" is the default and leaves run keys unchanged
+POSITIONS = {
+    "sinusoidal": [],
+    # fairseq's [sin | cos] table times a learnable scalar that starts at 1: at initialisation
+    # the same model as "sinusoidal", so the row differs from it by the learnable scale alone
+    "scaled-sinusoidal": [
+        "--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal",
+        "--pos-emb-scaled-table", "fairseq", "--pos-emb-scale-init", "1",
+    ],
+    # the seed module as it is: the seed's own table, scale starting at 1/sqrt(d)
+    "scaled-sinusoidal-seed": [
+        "--encoder-pos-emb", "scaled-sinusoidal", "--decoder-pos-emb", "scaled-sinusoidal",
+        "--pos-emb-scaled-table", "seed",
+    ],
+    "learned": ["--encoder-pos-emb", "learned", "--decoder-pos-emb", "learned"],
+}
+
+# recipes: the demo's (default) and the first, d=64 study's (issue 6, rows kept in the docs)
+PRESETS = {
+    "demo": dict(embed_dim=128, ffn_dim=512, heads=4, lr=2e-3, warmup=400, max_tokens=4096,
+                 max_update=700),
+    "d64": dict(embed_dim=64, ffn_dim=256, heads=4, lr=2e-3, warmup=100, max_tokens=4096,
+                max_update=200),
+}
+
+# the grid of the demo-scale study, most informative runs first: a run that is not reached
+# before the machine is taken away costs the least
+_ALL5 = ("post-ln", "admin", "pre-ln", "deepnorm", "admin-paper")
+_DEEP_ENC = "24L-3L"
+PLANS = {
+    "demo-scale": (
+        [(s, "12L-12L", 1, "sinusoidal") for s in _ALL5]
+        # the shallow reference next: half the cost of a 12L-12L run, and it answers "is
+        # deep Admin better than shallow Admin" for seed 1
+        + [(s, "6L-6L", 1, "sinusoidal") for s in ("admin", "pre-ln", "post-ln", "deepnorm",
+                                                   "admin-paper")]
+        + [("admin", "12L-3L", 1, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
+        + [("admin", "12L-3L", 2, p) for p in ("sinusoidal", "scaled-sinusoidal", "learned")]
+        + [("admin", "12L-3L", seed, "scaled-sinusoidal-seed") for seed in (1, 2)]
+        # then the two claims in turn, Admin and Pre-LN first: the deep encoder, the spread
+        # of the 12L-12L headline, the other schemes; a second seed of each before a third
+        + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [(s, "12L-12L", 2, "sinusoidal") for s in ("post-ln", "admin", "pre-ln")]
+        + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("post-ln", "deepnorm", "admin-paper")]
+        + [("deepnorm", "12L-12L", 2, "sinusoidal")]
+        # the three seeds the claims rest on (Admin vs Pre-LN at 12L-12L and the deep
+        # encoder) before the rows that only tighten a verdict already seen
+        + [(s, _DEEP_ENC, 2, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [(s, "12L-12L", 3, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [(s, _DEEP_ENC, 3, "sinusoidal") for s in ("admin", "pre-ln")]
+        + [("admin-paper", "12L-12L", 2, "sinusoidal")]
+        + [(s, "12L-12L", 3, "sinusoidal") for s in ("post-ln", "deepnorm", "admin-paper")]
+        + [("admin-paper", _DEEP_ENC, seed, "sinusoidal") for seed in (2, 3)]
+    ),
+}
+
+# --quick: the d=64 study's headline pair (7 minutes on two cores), so its rows are that grid's
+QUICK = dict(schemes="post-ln,admin", depths="12L-12L", preset="d64")
+
+
+def run_key(scheme, depth, seed, args, positions: str = "sinusoidal") -> str:
+    key = (f"{scheme}|{depth}|seed{seed}|{args.max_update}upd|d{args.embed_dim}"
+           f"|lr{args.lr:g}|wu{args.warmup}|mt{args.max_tokens}")
+    # written only when not the default, so the keys of earlier rows stay valid
+    if args.dropout != 0.1:
+        key += f"|do{args.dropout:g}"
+    if args.vocab != 8000:
+        key += f"|v{args.vocab}"
+    return key if positions == "sinusoidal" else f"{key}|pos-{positions}"
+
+
+def study_name(args) -> str:
+    return f"d{args.embed_dim}-{args.max_update}upd"
+
+
+# --------------------------------------------------------------------------- omega variants
+#: issue 22: which of the paper's omegas matter. Each variant trains admin-paper (Clinic
+#: profile, omega vectors, RAdam) from omegas that are the run's own Clinic profile (measured
+#: for the same depth and seed, so the same as admin-paper's), changed per stack by the rule
+#: below, and read through ``--admin-profile-path`` (see ``depthstudy.omegas``). "closed" is
+#: admin-torch's O(logn) closed form of that stack (the ``admin`` scheme's value), "profile"
+#: the measured omegas (1 at the bottom, growing with depth).
+OMEGA_VARIANTS = {
+    # every sub-layer at least the closed form: the profile's small bottom omegas removed
+    "admin-paper-floor": "profile floored at the closed form, both stacks",
+    # the bottom quarter of each stack's sub-layers at the closed form, the profile above
+    "admin-paper-closed-bottom": "closed form on the bottom quarter of each stack, profile above",
+    # the profile's largest omega on every sub-layer of the stack (its shape removed)
+    "admin-paper-max": "the profile's largest omega on every sub-layer of each stack",
+    # one stack profiled, the other at the closed form
+    "admin-paper-enc": "profile in the encoder, closed form in the decoder",
+    "admin-paper-dec": "closed form in the encoder, profile in the decoder",
+}
+for _name in OMEGA_VARIANTS:
+    SCHEMES[_name] = list(SCHEMES["admin-paper"])

@@ -1,0 +1,60 @@
+"""The study's loss-curve figure."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .report import _row_order, _study_order, curve_path, depth_order
+
+def write_plot(rows, out: Path, path: Path, published: Path) -> None:
+    """Loss curves of the newest study, one panel per depth (rows whose curve file is here)."""
+    import logging
+
+    import matplotlib
+
+    # importing fairseq (for the --admin-init check) leaves the root logger at DEBUG
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if curve_path(out, r, published) is not None]
+    if not rows:
+        return
+    newest = min({r["study"] for r in rows}, key=_study_order)
+    groups = {}
+    for r in rows:
+        if r["study"] == newest:
+            groups.setdefault(r["depth"], []).append(r)
+    keys = sorted(groups, key=depth_order)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.5), squeeze=False)
+    colors = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
+              "admin-profile": "tab:purple", "admin-paper": "tab:purple",
+              "deepnorm": "tab:orange"}
+    pos_colors = {"sinusoidal": "tab:green", "scaled-sinusoidal": "tab:olive",
+                  "scaled-sinusoidal-seed": "tab:brown", "learned": "tab:cyan"}
+    for ax, k in zip(axes[0], keys):
+        ent = None
+        first_seed = {}
+        by_pos = len({r["positions"] for r in groups[k]}) > 1
+        for r in sorted(groups[k], key=_row_order):
+            name = r["positions"] if by_pos else r["scheme"]
+            # later seeds: same colour, lighter, so the variants stay readable
+            alpha = 1.0 if first_seed.setdefault(name, r["seed"]) == r["seed"] else 0.4
+            curve = json.loads(curve_path(out, r, published).read_text())
+            c = (pos_colors if by_pos else colors).get(name, "black")
+            label = f"{name} s{r['seed']} ({r['status']}, BLEU {r['bleu'] or '-'})"
+            ax.plot([p["update"] for p in curve["train"]], [p["nll"] for p in curve["train"]],
+                    color=c, lw=1.1, alpha=alpha, label=label)
+            ax.plot([p["update"] for p in curve["valid"]], [p["nll"] for p in curve["valid"]],
+                    color=c, ls="--", marker="o", ms=3, alpha=alpha)
+            ent = float(r["unigram_entropy_bits"])
+        if ent is not None:
+            ax.axhline(ent, color="gray", lw=0.8, ls=":", label="unigram entropy")
+        ax.set_title(f"{k}, {newest}" + (" (Admin, position variants)" if by_pos else ""))
+        ax.set_xlabel("update")
+        ax.set_ylabel("nll (bits/token): train solid, valid dashed")
+        ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,252 @@
+"""The study's results: the CSV (one row per run), the markdown table (summary over seeds,
+every run, what is missing), and publishing them into the docs."""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from .common import log, parse_depth, relative
+from .data import TGT
+from .plan import POSITIONS, SCHEMES
+
+CSV_FIELDS = [
+    "key", "study", "scheme", "positions", "depth", "encoder_layers", "decoder_layers", "seed",
+    "max_update",
+    "embed_dim", "ffn_dim", "heads", "lr", "warmup", "max_tokens", "dropout",
+    "status", "reason", "updates", "final_train_loss", "final_train_nll", "min_train_nll",
+    "best_valid_loss", "best_valid_nll", "best_valid_ppl", "unigram_entropy_bits",
+    "bleu", "bleu_signature", "distinct_hyps", "train_wall_s", "updates_per_s", "generate_wall_s",
+    "threads", "cpu", "finished_utc", "study_command", "train_command",
+    "generate_command", "curve_file", "final_shortcuts",
+    # issue 22: omegas per sub-layer at initialisation and at the end, per-stack gradient
+    # norms, and whether the decoder uses the source (depthstudy.probe)
+    "init_omegas", "final_omegas", "gnorms", "probe_valid_nll", "valid_nll_other_source",
+    "source_gain",
+]
+
+
+def distinct_translations(hyp_file: Path) -> str:
+    """How many different sentences the test translations are ("" without the file): a
+    model that learned only the German side (a language model that ignores the source)
+    passes the loss-based verdict but gives the same sentence for every input."""
+    if not hyp_file.is_file():
+        return ""
+    return str(len(set(hyp_file.read_text().splitlines())))
+
+
+def read_rows(path: Path):
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    for r in rows:  # rows written before a column existed
+        for f in CSV_FIELDS:
+            r.setdefault(f, "")
+        if not r["distinct_hyps"] and r["curve_file"]:  # counted from the run if still there
+            r["distinct_hyps"] = distinct_translations(
+                path.parent / Path(r["curve_file"]).parent / f"test.hyp.{TGT}")
+        for f in ("train_command", "generate_command", "study_command"):
+            r[f] = relative(r[f], path.parent)
+        r["study"] = r["study"] or f"d{r['embed_dim']}-{r['max_update']}upd"
+        r["positions"] = r["positions"] or "sinusoidal"
+    return rows
+
+
+def append_row(path: Path, row) -> None:
+    """Add ``row``; the file is rewritten (atomically) so older rows gain new columns. Two
+    study processes may share one output folder (e.g. two learning rates at once): the
+    read-and-rewrite holds an exclusive lock on ``results.csv.lock`` so no row is lost."""
+    with csv_lock(path):
+        write_rows(path, read_rows(path) + [row])
+
+
+@contextlib.contextmanager
+def csv_lock(path: Path):
+    """An exclusive lock on ``<path>.lock`` for a read-and-rewrite of the CSV."""
+    import fcntl
+
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def write_rows(path: Path, rows) -> None:
+    """Write every row (atomically: a temporary file, then a rename)."""
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def depth_order(depth: str):
+    enc, dec = parse_depth(depth)
+    return (enc + dec, enc)
+
+
+SCHEME_ORDER = {s: i for i, s in enumerate(SCHEMES)}
+POS_ORDER = {p: i for i, p in enumerate(POSITIONS)}
+STUDY_TITLES = {
+    "d128-700upd": "Demo scale: d=128, 700 updates (the `make demo` recipe)",
+    "d64-200upd": "The first study: d=64, 200 updates (issue 6)",
+}
+
+
+def _study_order(study: str):
+    m = re.fullmatch(r"d(\d+)-(\d+)upd", study)
+    return (-int(m.group(1)), -int(m.group(2))) if m else (0, 0)
+
+
+def _row_order(r):
+    return (_study_order(r["study"]), depth_order(r["depth"]),
+            POS_ORDER.get(r["positions"], 99), SCHEME_ORDER.get(r["scheme"], 99),
+            int(r["seed"]))
+
+
+def _num(v):
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _mean_spread(values, nd=2):
+    """``mean +- sample std (min-max)`` of the finite values."""
+    xs = [v for v in (_num(v) for v in values) if v is not None]
+    if not xs:
+        return "-"
+    mean = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return f"{mean:.{nd}f}"
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    return f"{mean:.{nd}f} +- {std:.{nd}f} ({min(xs):.{nd}f}-{max(xs):.{nd}f})"
+
+
+def summary_lines(rows):
+    """One line per (depth, positions, scheme): seeds, statuses, BLEU and valid nll as
+    mean +- sample standard deviation (min-max) over the seeds."""
+    groups = {}
+    for r in sorted(rows, key=_row_order):
+        groups.setdefault((r["depth"], r["positions"], r["scheme"]), []).append(r)
+    lines = [
+        "| depth | positions | scheme | seeds | status | BLEU mean +- std (min-max) | "
+        "best valid nll (bits) mean +- std (min-max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (depth, pos, scheme), rs in groups.items():
+        statuses = Counter(r["status"] for r in rs)
+        status = ", ".join(f"{n} {st}" for st, n in sorted(statuses.items()))
+        lines.append(
+            f"| {depth} | {pos} | {scheme} | {','.join(r['seed'] for r in rs)} | {status} | "
+            f"{_mean_spread([r['bleu'] for r in rs])} | "
+            f"{_mean_spread([r['best_valid_nll'] for r in rs], 3)} |"
+        )
+    return lines
+
+
+def write_table(rows, path: Path, planned=()) -> None:
+    """Per study: the summary over seeds, every row, and (for the running plan) the rows
+    still missing; then the commands of every row."""
+    rows = sorted(rows, key=_row_order)
+    studies = sorted({r["study"] for r in rows}, key=_study_order)
+    lines = []
+    n = 0
+    numbered = []
+    for study in studies:
+        rs = [r for r in rows if r["study"] == study]
+        lines += [f"### {STUDY_TITLES.get(study, study)}", "",
+                  "Summary over seeds:", ""] + summary_lines(rs)
+        lines += [
+            "", "Every run:", "",
+            "| # | depth | positions | scheme | seed | updates | status | final train nll (bits) | "
+            "best valid nll (bits) / ppl | BLEU | distinct translations | "
+            "final shortcut weights / position scale | train wall (s) | updates/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rs:
+            n += 1
+            numbered.append(r)
+            shortcuts = json.loads(r["final_shortcuts"]) if r["final_shortcuts"] else {}
+            shown = "; ".join(
+                f"{k} " + ("/".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}")
+                for k, v in sorted(shortcuts.items())) or "-"
+            lines.append(
+                f"| {n} | {r['depth']} | {r['positions']} | {r['scheme']} | {r['seed']} | "
+                f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
+                f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
+                f"{r['distinct_hyps'] or '-'} | {shown} | {r['train_wall_s']} | "
+                f"{r['updates_per_s']} |"
+            )
+        missing = [m for m in planned if m[0] == study]
+        if missing:
+            lines += ["", f"Still missing from the plan ({len(missing)} runs): " + ", ".join(
+                f"{scheme} {depth} seed {seed}" + ("" if pos == "sinusoidal" else f" ({pos})")
+                for _, scheme, depth, seed, pos in missing) + "."]
+        lines.append("")
+    ents = sorted({r["unigram_entropy_bits"] for r in rows})
+    sigs = sorted({r["bleu_signature"] for r in rows if r["bleu_signature"]})
+    lines += [f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
+              f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "",
+              "Omega columns: mean/min/max over every omega entry of the stack after the last "
+              "update; position scale: the learned scalar of the scaled sinusoid. Distinct "
+              "translations: different sentences among the test set's translations (1 means "
+              "the same sentence for every source: the model ignores the source; '-' where "
+              "the run's translations were lost).", "",
+              "Commands per row:", ""]
+    for i, r in enumerate(numbered, 1):
+        lines.append(f"{i}. `{r['study_command']}`  \n   train: `{r['train_command']}`  \n"
+                     f"   status reason: {r['reason']}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def published_curve(dest: Path, row) -> Path:
+    """Where ``--publish DEST`` keeps a row's curve, so that a study started again in a new
+    output folder still draws the rows recorded before: ``DEST/depth_study_curves/<run>.json``."""
+    return dest / "depth_study_curves" / f"{Path(row['curve_file']).parent.name}.json"
+
+
+def curve_path(out: Path, row, published: Path) -> Path | None:
+    """The row's ``curve.json`` under ``out``, else its published copy, else None."""
+    for path in (out / row["curve_file"], published_curve(published, row)):
+        if path.is_file():
+            return path
+    return None
+
+
+TABLE_START = "<!-- depth_study table: start -->"
+TABLE_END = "<!-- depth_study table: end -->"
+
+
+def publish(out: Path, dest: Path) -> None:
+    """Copy the CSV and figure into ``dest`` and refresh the table block of results.md."""
+    page = dest / "results.md"
+    if not page.is_file():
+        raise SystemExit(f"--publish {dest}: {page} does not exist")
+    text = page.read_text()
+    if TABLE_START not in text or TABLE_END not in text:
+        raise SystemExit(f"--publish {dest}: {page} lacks the lines {TABLE_START!r} and "
+                         f"{TABLE_END!r} that delimit the table")
+    # the rows as read (commands relative to the repository root, no machine paths)
+    rows = read_rows(out / "results.csv")
+    with open(dest / "depth_study_results.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    shutil.copyfile(out / "depth_study_loss.png", dest / "depth_study_loss.png")
+    (dest / "depth_study_curves").mkdir(exist_ok=True)
+    for r in rows:
+        if (out / r["curve_file"]).is_file():
+            shutil.copyfile(out / r["curve_file"], published_curve(dest, r))
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    table = (out / "results_table.md").read_text()
+    page.write_text(f"{head}{TABLE_START}\n{table}{TABLE_END}{tail}")
+    log(f"published to {page}, {dest/'depth_study_results.csv'}, {dest/'depth_study_loss.png'}")

@@ -1,0 +1,386 @@
+"""Running the study: one fairseq-train + fairseq-generate per run, ``--jobs`` at a time,
+one CSV row per finished run."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import REPO, USER_DIR, cpu_name, fairseq_env, log, parse_depth, run_checked
+from .data import TGT
+from .logs import classify, gnorm_summary, parse_curve
+from .omegas import init_omegas, write_variant_file
+from .plan import OMEGA_VARIANTS, POSITIONS, SCHEMES, run_key, study_name
+from .plot import write_plot
+from .report import (append_row, csv_lock, distinct_translations, read_rows, write_rows,
+                     write_table)
+
+
+def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, dec: int,
+                  seed: int, positions: str = "sinusoidal"):
+    d, f, h = args.embed_dim, args.ffn_dim, args.heads
+    valid_every = args.validate_every or max(10, args.max_update // 4)
+    scheme_flags = SCHEMES[scheme]
+    # a scheme may bring its own optimizer (admin-paper: RAdam, as Transformer-Clinic)
+    optimizer = [] if "--optimizer" in scheme_flags else ["--optimizer", "adam"]
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.train", bin_dir,
+        "--user-dir", USER_DIR, "--arch", "admin_transformer", *scheme_flags,
+        *POSITIONS[positions],
+        "--encoder-layers", enc, "--decoder-layers", dec,
+        "--encoder-embed-dim", d, "--decoder-embed-dim", d,
+        "--encoder-ffn-embed-dim", f, "--decoder-ffn-embed-dim", f,
+        "--encoder-attention-heads", h, "--decoder-attention-heads", h,
+        "--share-all-embeddings", "--dropout", args.dropout,
+        *optimizer, "--adam-betas", "(0.9, 0.98)", "--clip-norm", "0.0",
+        "--lr", args.lr, "--lr-scheduler", "inverse_sqrt", "--warmup-updates", args.warmup,
+        "--warmup-init-lr", "1e-07",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--max-tokens", args.max_tokens, "--max-update", args.max_update, "--seed", seed,
+        "--validate-interval-updates", valid_every, "--save-interval-updates", valid_every,
+        "--keep-interval-updates", 1, "--no-epoch-checkpoints",
+        "--save-dir", save_dir, "--log-format", "json", "--log-interval", args.log_interval,
+        "--cpu", "--num-workers", 0,
+    ]
+    return [str(c) for c in cmd]
+
+
+def unsupported_flags(scheme: str, positions: str, env) -> list:
+    """Flags (or ``--optimizer`` values) of this variant that this checkout's fairseq-train
+    does not know: such runs are left for a later call instead of failing."""
+    flags = SCHEMES[scheme] + POSITIONS[positions]
+    # fairseq lists an optimizer's own flags only when that optimizer is chosen
+    at = flags.index("--optimizer") if "--optimizer" in flags else len(flags)
+    chosen = flags[at:at + 2]
+    cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
+           "--arch", "admin_transformer", *chosen, "--help"]
+    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
+    missing = [f for f in flags if f.startswith("--") and f not in out]
+    for i, f in enumerate(flags[:-1]):
+        if f in ("--optimizer", "--encoder-pos-emb", "--pos-emb-scaled-table") and \
+                not re.search(r"[{,]" + re.escape(flags[i + 1]) + r"[,}]", out):
+            missing.append(f"{f} {flags[i + 1]}")
+    return missing
+
+
+def final_shortcuts(ckpt: Path) -> dict:
+    """The trained shortcut weights and position scales in a checkpoint: per stack, mean /
+    min / max of the omega vectors (or ReZero scalars), and each side's position scale."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from fairseq_admin_pos.fairseq_fixes.checkpoint_compat import allow_fairseq_checkpoints
+
+    allow_fairseq_checkpoints()
+    state = torch.load(ckpt, map_location="cpu")["model"]
+    out = {}
+    for side in ("encoder", "decoder"):
+        omegas = [v.float().flatten() for k, v in state.items()
+                  if k.startswith(side + ".") and k.endswith(".omega")]
+        if omegas:
+            cat = torch.cat(omegas)
+            out[f"{side}_omega"] = [round(cat.mean().item(), 4), round(cat.min().item(), 4),
+                                    round(cat.max().item(), 4)]
+        scale = state.get(f"{side}.embed_positions.embed.scaling")
+        if scale is not None:
+            out[f"{side}_pos_scale"] = round(scale.float().item(), 4)
+    return out
+
+
+def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
+    """Beam-4 translations of test_2016_flickr, spm-decoded; detokenized sacreBLEU."""
+    import sacrebleu
+
+    ckpt = save_dir / "checkpoint_best.pt"
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.generate", root / "bin",
+        "--user-dir", USER_DIR, "--path", ckpt, "--gen-subset", "test",
+        "--beam", 4, "--lenpen", 0.6, "--batch-size", 128,
+        # bounded output length: an untrained model otherwise repeats a token 200 times
+        "--max-len-a", 1.2, "--max-len-b", 10,
+        "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", 0,
+    ]
+    cmd = [str(c) for c in cmd]
+    t0 = time.time()
+    rc, text, cmd_text = run_checked(cmd, env, run_dir / "generate.log")
+    wall = time.time() - t0
+    if rc != 0:
+        raise RuntimeError(f"fairseq-generate failed (rc {rc}); see {run_dir/'generate.log'}")
+    hyps = {}
+    for line in text.splitlines():
+        if line.startswith("D-"):
+            head, _score, *hyp = line.split("\t")
+            hyps[int(head[2:])] = hyp[0] if hyp else ""
+    refs = (root / "raw" / f"test.{TGT}").read_text().splitlines()
+    if len(hyps) != len(refs):
+        raise RuntimeError(f"fairseq-generate produced {len(hyps)} of {len(refs)} translations")
+    hyp_list = [hyps[i] for i in range(len(refs))]
+    (run_dir / f"test.hyp.{TGT}").write_text("\n".join(hyp_list) + "\n")
+    bleu = sacrebleu.metrics.BLEU()
+    score = bleu.corpus_score(hyp_list, [refs])
+    sig = str(bleu.get_signature())
+    log(f"sacreBLEU {score.score:.2f}  {score}  signature: {sig}")
+    return score.score, sig, wall, cmd_text
+
+
+def finished_training(run_dir: Path, save_dir: Path, cmd):
+    """``(log text, command text, training seconds)`` of a run in ``run_dir`` that trained to
+    the end with exactly ``cmd`` (recorded in ``command.txt``) and still has its checkpoints,
+    else None."""
+    log_file, recorded = run_dir / "train.log", run_dir / "command.txt"
+    if not (log_file.is_file() and (save_dir / "checkpoint_best.pt").is_file()
+            and (save_dir / "checkpoint_last.pt").is_file()):
+        return None
+    text = log_file.read_text()
+    done = re.search(r"done training in ([0-9.]+) seconds", text)
+    cmd_text = " ".join(shlex.quote(str(c)) for c in cmd)
+    # runs started before command.txt existed: fairseq's logged config names the save dir
+    same = (recorded.read_text() == cmd_text if recorded.is_file()
+            else f"'save_dir': '{save_dir}'" in text)
+    if done is None or not same:
+        return None
+    return text, cmd_text, float(done.group(1))
+
+
+def measure_profile(args, root, scheme, depth, seed, positions) -> Path:
+    """The Clinic profile of ``scheme`` at this depth and seed, as the package's profile file
+    (cached in ``OUT/profiles``): ``fairseq-train`` with ``--admin-profile-path``, stopped after
+    one update, nothing saved. The profiling pass is the first training forward with the seed's
+    first batch and dropout masks, so these are the omegas the full run starts from."""
+    enc, dec = parse_depth(depth)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_key(scheme, depth, seed, args, positions))
+    folder = args.out / "profiles"
+    path = folder / f"{name}.json"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    work = folder / f"{name}.tmp"
+    shutil.rmtree(work, ignore_errors=True)
+    cmd = train_command(args, root / "bin", work / "ckpt", scheme, enc, dec, seed, positions)
+    cmd[cmd.index("--max-update") + 1] = "1"
+    cmd += ["--admin-profile-path", str(path), "--no-save", "--disable-validation"]
+    work.mkdir(parents=True)
+    rc, text, _ = run_checked(cmd, fairseq_env(args.threads), work / "train.log")
+    if rc != 0 or not path.is_file():
+        raise RuntimeError(f"measuring the profile for {name} failed (rc {rc}); see "
+                           f"{work / 'train.log'}\n" + "\n".join(text.splitlines()[-10:]))
+    shutil.rmtree(work, ignore_errors=True)
+    return path
+
+
+def probe_run(root: Path, save_dir: Path, env) -> dict:
+    """``depthstudy.probe`` on the run's checkpoints ({} without them, or when it fails)."""
+    best, last = save_dir / "checkpoint_best.pt", save_dir / "checkpoint_last.pt"
+    if not (best.is_file() and last.is_file()):
+        return {}
+    cmd = [sys.executable, "-m", "depthstudy.probe", "--data", root / "bin", "--best", best,
+           "--last", last]
+    env = dict(env, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + ":" +
+               env.get("PYTHONPATH", ""))
+    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=REPO, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        log(f"probe of {save_dir} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+        return {}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def diagnostics(scheme_flags, log_text, enc, dec, omega_file, curve, warmup, probed) -> dict:
+    """The issue-22 columns of a row: omegas at initialisation and at the end per sub-layer,
+    per-stack gradient norms (warmup / after), the probe's source measure."""
+    def dump(v):
+        return json.dumps(v, sort_keys=True) if v else ""
+
+    def num(k):
+        return f"{probed[k]:.4f}" if k in probed else ""
+
+    return {
+        "init_omegas": dump(init_omegas(scheme_flags, log_text, enc, dec, omega_file)),
+        "final_omegas": dump(probed.get("final_omegas")),
+        "gnorms": dump(gnorm_summary(curve, warmup)),
+        "probe_valid_nll": num("valid_nll"),
+        "valid_nll_other_source": num("valid_nll_other_source"),
+        "source_gain": num("source_gain"),
+    }
+
+
+def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions="sinusoidal"):
+    enc, dec = parse_depth(depth)
+    key = run_key(scheme, depth, seed, args, positions)
+    run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    save_dir = run_dir / "ckpt"
+    env = fairseq_env(args.threads)
+    cmd = train_command(args, root / "bin", save_dir, scheme, enc, dec, seed, positions)
+    omega_file = None
+    if scheme in OMEGA_VARIANTS:
+        omega_file = run_dir / "omegas.json"
+        cmd += ["--admin-profile-path", str(omega_file)]
+    finished = finished_training(run_dir, save_dir, cmd)
+    if finished is not None:
+        # trained to the end by an earlier call that stopped before recording the row:
+        # evaluate that run instead of training it again
+        rc, text, cmd_text, wall = 0, *finished
+        log(f"run {key}: reusing the finished training in {run_dir}")
+    else:
+        if run_dir.exists():  # an interrupted earlier attempt: start it again from scratch
+            shutil.rmtree(run_dir)
+        save_dir.mkdir(parents=True)
+        if omega_file is not None:
+            measured = measure_profile(args, root, "admin-paper", depth, seed, positions)
+            write_variant_file(scheme, measured, omega_file)
+        (run_dir / "command.txt").write_text(" ".join(shlex.quote(str(c)) for c in cmd))
+        log(f"run {key}")
+        t0 = time.time()
+        rc, text, cmd_text = run_checked(cmd, env, run_dir / "train.log", echo=args.verbose)
+        wall = time.time() - t0
+    curve = parse_curve(text)
+    (run_dir / "curve.json").write_text(json.dumps(curve))
+    crashed_nan = rc != 0 and ("FloatingPointError" in text or "Nan/Inf" in text)
+    if rc != 0 and not crashed_nan:
+        tail = "\n".join(text.splitlines()[-15:])
+        log(f"fairseq-train failed (rc {rc}) for {key}; not recorded, rerun retries it.\n{tail}")
+        return None
+    status, reason = classify(curve, crashed_nan, unigram_bits, args.stuck_bits,
+                              args.diverge_bits)
+    updates = curve["train"][-1]["update"] if curve["train"] else 0
+    bleu, sig, gen_wall, gen_cmd = float("nan"), "", 0.0, ""
+    if (save_dir / "checkpoint_best.pt").is_file():
+        try:
+            bleu, sig, gen_wall, gen_cmd = generate(args, root, save_dir, run_dir, env)
+        except RuntimeError as err:
+            log(str(err))
+    shortcuts = {}
+    if (save_dir / "checkpoint_last.pt").is_file():
+        shortcuts = final_shortcuts(save_dir / "checkpoint_last.pt")
+    probed = probe_run(root, save_dir, env)
+    if not args.keep_checkpoints:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    valid = curve["valid"]
+    best = min(valid, key=lambda p: p["loss"]) if valid else None
+    train = curve["train"]
+
+    def fmt(v, nd=3):
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+    row = {
+        "key": key, "study": study_name(args), "scheme": scheme, "positions": positions,
+        "depth": depth, "encoder_layers": enc,
+        "decoder_layers": dec, "seed": seed, "max_update": args.max_update,
+        "embed_dim": args.embed_dim, "ffn_dim": args.ffn_dim, "heads": args.heads,
+        "lr": f"{args.lr:g}", "warmup": args.warmup, "max_tokens": args.max_tokens,
+        "dropout": args.dropout, "status": status, "reason": reason, "updates": updates,
+        "final_train_loss": fmt(train[-1]["loss"]) if train else "",
+        "final_train_nll": fmt(train[-1]["nll"]) if train else "",
+        "min_train_nll": fmt(min(p["nll"] for p in train)) if train else "",
+        "best_valid_loss": fmt(best["loss"]) if best else "",
+        "best_valid_nll": fmt(best["nll"]) if best else "",
+        "best_valid_ppl": fmt(best["ppl"], 1) if best else "",
+        "unigram_entropy_bits": fmt(unigram_bits),
+        "bleu": fmt(bleu, 2), "bleu_signature": sig,
+        "distinct_hyps": distinct_translations(run_dir / f"test.hyp.{TGT}") if sig else "",
+        "train_wall_s": fmt(wall, 1), "updates_per_s": fmt(updates / wall if wall else 0.0),
+        "generate_wall_s": fmt(gen_wall, 1), "threads": args.threads, "cpu": cpu_name(),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "study_command": study_cmd, "train_command": cmd_text, "generate_command": gen_cmd,
+        "curve_file": str((run_dir / "curve.json").relative_to(args.out)),
+        "final_shortcuts": json.dumps(shortcuts, sort_keys=True) if shortcuts else "",
+        **diagnostics(SCHEMES[scheme], text, enc, dec, omega_file, curve, args.warmup, probed),
+    }
+    log(f"{key}: {status} ({reason}); BLEU {row['bleu']}; {row['updates_per_s']} updates/s")
+    return row
+
+
+def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
+    """Run the grid's missing runs, ``--jobs`` at a time, in grid order.
+
+    A variant whose flags this checkout's fairseq-train does not know is passed over (and
+    asked about again ten minutes later, so that code landing while a long grid runs is
+    picked up); what is left is listed as missing and a later call runs it."""
+    import threading
+
+    done = {r["key"] for r in read_rows(csv_path)}
+    pending = [g for g in grid if run_key(*g[:3], args, g[3]) not in done]
+    log(f"grid: {len(grid)} runs, {len(grid) - len(pending)} already in {csv_path}")
+    lock = threading.Lock()
+    env = fairseq_env(args.threads)
+    known = {}  # (scheme, positions) -> (time asked, missing flags)
+
+    def next_item():
+        with lock:
+            for item in list(pending):
+                variant = (item[0], item[3])
+                asked, missing = known.get(variant, (None, None))
+                if asked is None or (missing and time.time() - asked > 600):
+                    missing = unsupported_flags(*variant, env)
+                    known[variant] = (time.time(), missing)
+                    if missing:
+                        log(f"passing over {variant[0]} / {variant[1]}: this checkout's "
+                            f"fairseq-train does not know {', '.join(missing)}")
+                if not missing:
+                    pending.remove(item)
+                    return item
+            return None
+
+    def worker():
+        while (item := next_item()) is not None:
+            scheme, depth, seed, pos = item
+            try:
+                row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, pos)
+            except Exception:  # one broken run must not end the grid; it stays missing
+                import traceback
+
+                log(f"run {item} failed, not recorded (a rerun retries it):\n"
+                    + traceback.format_exc())
+                continue
+            if row is None:
+                continue
+            with lock:
+                append_row(csv_path, row)
+                rows = read_rows(csv_path)
+                done_keys = {r["key"] for r in rows}
+                missing = [(study_name(args), *g) for g in grid
+                           if run_key(*g[:3], args, g[3]) not in done_keys]
+                write_table(rows, args.out / "results_table.md", missing)
+                write_plot(rows, args.out, args.out / "depth_study_loss.png",
+                           args.publish or REPO / "docs")
+
+    threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def backfill(args, root: Path, csv_path: Path) -> None:
+    """Fill the issue-22 columns of rows recorded without them whose run folder is still in
+    ``OUT/runs`` (its train.log, and its checkpoints for the probe: ``--keep-checkpoints``)."""
+    with csv_lock(csv_path):
+        _backfill(args, root, csv_path)
+
+
+def _backfill(args, root: Path, csv_path: Path) -> None:
+    rows = read_rows(csv_path)
+    changed = False
+    for r in rows:
+        if r["source_gain"] or not r["curve_file"]:
+            continue
+        run_dir = args.out / Path(r["curve_file"]).parent
+        log_file = run_dir / "train.log"
+        if not log_file.is_file() or r["scheme"] not in SCHEMES:
+            continue
+        probed = probe_run(root, run_dir / "ckpt", fairseq_env(args.threads))
+        omega_file = run_dir / "omegas.json" if r["scheme"] in OMEGA_VARIANTS else None
+        text = log_file.read_text()
+        r.update(diagnostics(SCHEMES[r["scheme"]], text, int(r["encoder_layers"]),
+                             int(r["decoder_layers"]), omega_file, parse_curve(text),
+                             int(r["warmup"]), probed))
+        changed = True
+        log(f"{r['key']}: issue-22 columns filled (source gain {r['source_gain'] or '-'})")
+    if changed:
+        write_rows(csv_path, rows)
