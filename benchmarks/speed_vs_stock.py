@@ -1,11 +1,19 @@
 """Speed and memory of admin_transformer against stock fairseq ``transformer``, side by side.
 
-Both models have identical sizes; admin_transformer uses Admin closed-form omegas as trainable
-vectors (``--admin-omega parameter``, the most expensive setting: one extra parameter vector
-and one fused multiply-add per sub-layer). Speed: one subprocess per round builds both
-models (same seed, same batches) and times every batch on both, alternating which goes
-first, so load changes on a shared machine hit both alike. Memory: one subprocess per model
-(alternating order), since a peak cannot be separated within one process on the CPU.
+All models have identical sizes. The schemes measured against stock (``--variants``, default
+all three):
+
+* ``admin``: Admin closed-form omegas as trainable vectors (``--admin-omega parameter``, the
+  most expensive Admin setting: one extra parameter vector and one fused multiply-add per
+  sub-layer);
+* ``b2t``: B2T connection (Takase et al. 2023): one extra addition per layer;
+* ``resi-dual``: ResiDual (Xie et al. 2023): one extra (float32) addition per sub-layer and
+  a final LayerNorm per stack.
+
+Speed: one subprocess per round builds every model (same seed, same batches) and times every
+batch on each, rotating which goes first, so load changes on a shared machine hit all alike.
+Memory: one subprocess per model (rotating order), since a peak cannot be separated within
+one process on the CPU.
 
 * training words/s: target tokens / wall time of ``Trainer.train_step`` over the timed updates
   (fairseq's own trainer, as in ``fairseq-train``), after warm-up updates;
@@ -15,8 +23,10 @@ first, so load changes on a shared machine hit both alike. Memory: one subproces
   (``ru_maxrss``) minus the resident size after the warm-up updates, with glibc told to
   ``mmap`` every block above 64 KiB, i.e. what the timed training steps hold at their peak.
 
-Prints the per-round figures and the median ratios admin / stock (targets: speeds >= 0.97,
-memory <= 1.02).
+Prints the per-round figures and, per scheme, the median ratios scheme / stock (Admin's
+targets: speeds >= 0.97, memory <= 1.02; B2T and ResiDual add work by design, their ratios
+are measurements). ``--quick`` is a smoke run (1 round, 1 + 2 updates, 1 generation batch,
+2L-2L d=64, 1024 tokens) that checks the script end to end in about a minute on a CPU.
 
 ``--dtype`` picks the training and generation precision, the same for both models:
 ``float32`` (default), ``bfloat16`` (fairseq's ``--bf16``: the Trainer casts the model and
@@ -28,6 +38,7 @@ Admin's fixed omegas stay float32 in the low-precision model (one rounding per r
     python benchmarks/speed_vs_stock.py --multi30k ../shared/data/multi30k --work bench_out
     python benchmarks/speed_vs_stock.py --multi30k ../shared/data/multi30k --work bench_out \
         --dtype bfloat16
+    python benchmarks/speed_vs_stock.py --data bench_out/data-bin --quick --variants b2t
 """
 from __future__ import annotations
 
@@ -57,10 +68,19 @@ def model_flags(args):
 # fairseq flags of each --dtype
 DTYPE_FLAGS = {"float32": [], "bfloat16": ["--bf16"], "float16": ["--fp16"]}
 
-VARIANTS = {
+ALL_VARIANTS = {
     "stock": ["--arch", "transformer"],
     "admin": ["--arch", "admin_transformer", "--admin-init", "closed-form", "--admin-omega", "parameter"],
+    "b2t": ["--arch", "admin_transformer", "--admin-residual", "b2t"],
+    "resi-dual": ["--arch", "admin_transformer", "--admin-residual", "resi-dual"],
 }
+SCHEMES = [v for v in ALL_VARIANTS if v != "stock"]
+#: the variants of this run: stock and the --variants chosen (set in main)
+VARIANTS = dict(ALL_VARIANTS)
+
+#: --quick: the smallest run that exercises every step
+QUICK = {"rounds": 1, "warmup": 1, "updates": 2, "gen_batches": 1, "encoder_layers": 2,
+         "decoder_layers": 2, "dim": 64, "max_tokens": 1024}
 
 
 def rss_bytes() -> int:
@@ -124,7 +144,7 @@ def speed_worker(args) -> None:
     gen_t = {v: 0.0 for v in VARIANTS}
     tokens = 0
     for i, b in enumerate(batches):
-        order = list(VARIANTS) if i % 2 == 0 else list(VARIANTS)[::-1]
+        order = _rotated(list(VARIANTS), i)
         for v in order:
             sync(args)
             t0 = time.perf_counter()
@@ -150,7 +170,7 @@ def speed_worker(args) -> None:
             if i >= args.gen_batches:
                 break
             sample = utils.move_to_cuda(sample) if args.cuda else sample
-            for v in (list(VARIANTS) if i % 2 == 0 else list(VARIANTS)[::-1]):
+            for v in _rotated(list(VARIANTS), i):
                 sync(args)
                 t0 = time.perf_counter()
                 gens[v].generate([built[v][1]], sample)
@@ -216,8 +236,24 @@ def main(argv=None):
                    "bfloat16 (fairseq's --bf16 model cast) or float16 (--fp16, CUDA only). "
                    "Default: float32")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even if CUDA is there")
-    p.add_argument("--worker", choices=sorted(VARIANTS) + ["speed"], help=argparse.SUPPRESS)
+    p.add_argument("--variants", default=",".join(SCHEMES),
+                   help=f"comma-separated schemes measured against stock: {', '.join(SCHEMES)} "
+                   "(default: all)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                  for k, v in QUICK.items()))
+    p.add_argument("--worker", choices=sorted(ALL_VARIANTS) + ["speed"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in chosen if v not in SCHEMES]
+    if bad or not chosen:
+        p.error(f"--variants {','.join(bad) or repr(args.variants)} is not valid; valid "
+                f"choices: {', '.join(SCHEMES)}")
+    VARIANTS.clear()
+    VARIANTS.update({v: ALL_VARIANTS[v] for v in ["stock", *chosen]})
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
     if args.dtype == "float16" and (args.cpu or not _cuda()):
         p.error("--dtype float16 needs CUDA (fairseq's --fp16 keeps its float32 master copy on "
                 "the GPU); on the CPU use --dtype bfloat16")
@@ -228,7 +264,7 @@ def main(argv=None):
     data = prepare(args)
     passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in (
         "warmup", "updates", "gen-batches", "encoder-layers", "decoder-layers", "dim",
-        "max-tokens", "threads", "dtype")] + (["--cpu"] if args.cpu else [])
+        "max-tokens", "threads", "dtype", "variants")] + (["--cpu"] if args.cpu else [])
 
     def child(mode):
         cmd = [sys.executable, __file__, "--worker", mode, "--data", str(data), *passthrough]
@@ -245,24 +281,33 @@ def main(argv=None):
         res = child("speed")
         speed.append(res)
         for v in VARIANTS:
-            print(f"round {r} {v:5s}: train {res[v]['train_wps']:8.0f} words/s | generate "
+            print(f"round {r} {v:9s}: train {res[v]['train_wps']:8.0f} words/s | generate "
                   f"{res[v]['gen_sent_s']:6.1f} sent/s", flush=True)
-        for v in (list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]):
+        for v in _rotated(list(VARIANTS), r):
             m = child(v)["peak_mem"]
             mem[v].append(m)
-            print(f"round {r} {v:5s}: peak memory {m / 2**20:8.1f} MiB", flush=True)
+            print(f"round {r} {v:9s}: peak memory {m / 2**20:8.1f} MiB", flush=True)
 
-    def ratio(key):
-        return statistics.median(r["admin"][key] / r["stock"][key] for r in speed)
-
-    mem_ratio = statistics.median(a / s for a, s in zip(mem["admin"], mem["stock"]))
     where = "cuda" if (not args.cpu and _cuda()) else "cpu"
-    print(f"\nadmin/stock, median of {args.rounds} rounds ({args.encoder_layers}L-"
+    print(f"\nscheme/stock, median of {args.rounds} round(s) ({args.encoder_layers}L-"
           f"{args.decoder_layers}L d={args.dim}, max-tokens {args.max_tokens}, {args.dtype}, "
           f"{where}):")
-    print(f"  training words/s ratio       {ratio('train_wps'):.3f}   (target >= 0.97)")
-    print(f"  generation sentences/s ratio {ratio('gen_sent_s'):.3f}   (target >= 0.97)")
-    print(f"  peak memory ratio            {mem_ratio:.3f}   (target <= 1.02)")
+    print(f"  {'scheme':10s} {'training words/s':>17s} {'generation sent/s':>18s} "
+          f"{'peak memory':>12s}")
+    for v in VARIANTS:
+        if v == "stock":
+            continue
+        train = statistics.median(x[v]["train_wps"] / x["stock"]["train_wps"] for x in speed)
+        gen = statistics.median(x[v]["gen_sent_s"] / x["stock"]["gen_sent_s"] for x in speed)
+        memory = statistics.median(a / s for a, s in zip(mem[v], mem["stock"]))
+        print(f"  {v:10s} {train:17.3f} {gen:18.3f} {memory:12.3f}")
+    print("  (Admin's targets: speeds >= 0.97, memory <= 1.02)")
+
+
+def _rotated(items, r):
+    # a different model first in each round, so a load change does not always hit the same one
+    k = r % len(items)
+    return items[k:] + items[:k]
 
 
 def _cuda() -> bool:
