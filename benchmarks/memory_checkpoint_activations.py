@@ -46,7 +46,7 @@ SETTINGS = {
     "checkpoint": ["--checkpoint-activations"],
     "offload": ["--offload-activations"],  # fairseq: implies --checkpoint-activations
 }
-SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln")
+SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln", "b2t", "resi-dual")
 
 
 def _rss_now_kib() -> int:

@@ -51,7 +51,8 @@ them and any other value, ``--admin-omega parameter`` or Pre-LN
 Mixed precision (``--fp16``/``--bf16``): fixed omegas and DeepNorm alphas stay float32
 when fairseq casts the model and the residual sum is computed in float32
 (:class:`fairseq_admin_pos.schemes.Float32OmegaResidual`); trainable omegas and ReZero's
-``a`` are ordinary parameters with fairseq's float32 master copies.
+``a`` are ordinary parameters with fairseq's float32 master copies; ResiDual's dual stream
+and its final LayerNorm are float32 whatever the model dtype.
 
 The settings are stored in the model's state dict (``_extra_state``); loading a checkpoint
 whose settings differ from the flags given raises a ``ValueError`` that names them, instead of

@@ -18,6 +18,12 @@ in execution order, which is what the profiling initialisation uses. The residua
 of :mod:`fairseq_admin_pos.schemes` (DeepNorm, ReZero) are residual modules too; ReZero
 without LayerNorm also builds the layers with ``sublayer_layer_norm=False``.
 
+Each sub-layer's branch ``dropout(f(x))`` is a method of its own (``_self_attn_branch``,
+``_encoder_attn_branch``, ``_ffn_branch``), and each stack runs its layers in
+``forward_layers``: the schemes that change how a layer or a stack combines the branches
+(B2T's bottom-to-top term, ResiDual's dual stream, :mod:`fairseq_admin_pos.models.b2t_resi_dual`)
+reuse fairseq's branch computation instead of copying it.
+
 The stacks (:class:`HostSyncFreeEncoderBase`, :class:`HostSyncFreeDecoderBase`) are fairseq's
 encoder and decoder without the two places where fairseq reads a tensor back to the host in
 every forward (``encoder_padding_mask.any()``, tested again before every encoder layer, and
@@ -352,7 +358,8 @@ class HostSyncFreeEncoderBase(TransformerEncoderBase):
     the mask ``(B, T)`` (True at pads) is always passed, as fairseq itself does on XLA. The
     results are the same: a mask without pads adds 0 to every attention score, and the
     embedding is multiplied by ``1 - mask`` as before (by 1 everywhere without pads).
-    Everything else is fairseq's ``forward_scriptable`` (0.12.3), unchanged.
+    Everything else is fairseq's ``forward_scriptable`` (0.12.3), unchanged, its layer loop
+    moved into :meth:`forward_layers`.
 
     Shapes: ``src_tokens`` ``(B, T)``; ``encoder_out`` ``[(T, B, C)]``.
     """
@@ -437,7 +444,8 @@ class HostSyncFreeDecoderBase(TransformerDecoderBase):
       fairseq's check is always False there. A caller that feeds pads step by step would
       have them attended to, where fairseq would mask them.
 
-    Everything else is fairseq's ``extract_features_scriptable`` (0.12.3), unchanged.
+    Everything else is fairseq's ``extract_features_scriptable`` (0.12.3), unchanged, its
+    layer loop moved into :meth:`forward_layers`.
 
     Shapes: ``prev_output_tokens`` ``(B, T)``; features ``(B, T, C)``.
     """
