@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_admin_pos.models.b2t_resi_dual import DUAL_LAYER_NORM_EPS
 from fairseq_cli_utils import TINY_MODEL, load_checkpoint, train, train_losses
 from model_utils import (
     POS_CHOICES,
@@ -178,8 +177,12 @@ def test_decoder_without_cross_attention_matches_the_equations(tiny_data, scheme
     torch.testing.assert_close(feats, want, rtol=1e-5, atol=1e-5)
 
 
-def test_resi_dual_final_layer_norm_eps_is_the_repositorys():
-    assert DUAL_LAYER_NORM_EPS == 1e-7
+def test_resi_dual_final_layer_norms_use_the_repositorys_eps(tiny_data):
+    """microsoft/ResiDual replaces each stack's final LayerNorm by LayerNorm(eps=1e-7); the
+    equations above cannot tell 1e-7 from fairseq's 1e-5 at these activation sizes."""
+    model, _, _ = build(tiny_data, "admin_transformer", SMALL + ["--admin-residual", "resi-dual"])
+    assert model.encoder.dual_layer_norm.eps == model.decoder.dual_layer_norm.eps == 1e-7
+    assert model.encoder.layer_norm is None and model.decoder.layer_norm is None  # Post-LN
 
 
 # --------------------------------------------------------------------------------------- #
