@@ -81,12 +81,14 @@ from depthstudy.common import (REPO, USER_DIR, cpu_name, fairseq_env, log,  # no
 from depthstudy.data import (LANGS, SPLITS, SRC, TGT, check_data, prepare_data,  # noqa: E402,F401
                              unigram_entropy_bits)
 from depthstudy.logs import LOG_RE, classify, parse_curve  # noqa: E402,F401
-from depthstudy.plan import (_DEEP_ENC, PLANS, POSITIONS, PRESETS, QUICK,  # noqa: E402,F401
+from depthstudy.omegas import init_omegas, variant_omegas  # noqa: E402,F401
+from depthstudy.plan import (_DEEP_ENC, PLAN_RECIPES, PLANS, POSITIONS, PRESETS,  # noqa: E402,F401
+                             QUICK,
                              SCHEMES, run_key, study_name)
-from depthstudy.plot import write_plot  # noqa: E402,F401
+from depthstudy.plot import write_omega_plot, write_plot  # noqa: E402,F401
 from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START,  # noqa: E402,F401
                                distinct_translations, publish, read_rows, write_table)
-from depthstudy.runner import (backfill, final_shortcuts, generate, one_run, run_grid,  # noqa: E402,F401
+from depthstudy.runner import (backfill, claim, final_shortcuts, generate, one_run, run_grid,  # noqa: E402,F401
                                train_command, unsupported_flags)
 
 
@@ -126,7 +128,10 @@ def build_parser():
                         "demo-scale = 5 schemes x {6L-6L, 12L-12L, " + _DEEP_ENC + "} with 3 "
                         "seeds at 12L-12L and for the deep-encoder admin/admin-paper/pre-ln "
                         "rows, plus the position variants at 12L-3L (2 seeds), most "
-                        "informative runs first")
+                        "informative runs first; admin-causes = issue 22's factorial (omega "
+                        "source x optimizer) and omega variants; admin-schedule = admin-paper "
+                        "and admin at lr 1e-3 (2 seeds); rivals = issue 21's b2t and resi-dual "
+                        "(6L-6L, 12L-12L and " + _DEEP_ENC + ", 3 seeds at depth)")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")
@@ -189,6 +194,9 @@ def main(argv=None):
         for name, value in QUICK.items():
             if "--" + name.replace("_", "-") not in given:
                 setattr(args, name, value)
+    for name, value in PLAN_RECIPES.get(args.plan, {}).items():
+        if "--" + name.replace("_", "-") not in {a.split("=")[0] for a in argv}:
+            setattr(args, name, value)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -234,6 +242,7 @@ def main(argv=None):
     missing = [(study_name(args), *g) for g in grid if run_key(*g[:3], args, g[3]) not in done]
     write_table(rows, args.out / "results_table.md", missing)
     write_plot(rows, args.out, args.out / "depth_study_loss.png", args.publish or REPO / "docs")
+    write_omega_plot(rows, args.out / "depth_study_omegas.png")
     log(f"{len(rows)} rows in {csv_path}; table {args.out/'results_table.md'}; "
         f"figure {args.out/'depth_study_loss.png'}")
     if missing:

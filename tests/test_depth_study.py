@@ -2,33 +2,17 @@
 row recomputed from the run's own files, the summary's mean +- std, publishing, and a second
 call that finds the grid done."""
 import csv
-import importlib.util
 import json
 import math
 import re
 import statistics
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import sacrebleu
 
-from fairseq_cli_utils import REPO, env, write_fake_multi30k
-
-STUDY = REPO / "benchmarks" / "depth_study.py"
-TINY = ["--depths", "2L-1L", "--embed-dim", "16", "--ffn-dim", "32", "--heads", "2",
-        "--vocab", "60", "--max-update", "4", "--warmup", "2", "--max-tokens", "600",
-        "--validate-every", "2", "--log-interval", "1", "--threads", "1"]
-
-
-def study(*args, check=True):
-    proc = subprocess.run([sys.executable, str(STUDY), *map(str, args)], cwd=REPO, env=env(),
-                          capture_output=True, text=True, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
+from fairseq_cli_utils import REPO, write_fake_multi30k
+from study_utils import TINY, load_study_module, study
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
@@ -185,10 +169,7 @@ def test_publish_into_a_page_without_the_markers_is_an_error(grid, tmp_path):
 
 @pytest.fixture(scope="module")
 def depth_study_module():
-    spec = importlib.util.spec_from_file_location("depth_study", STUDY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study_module()
 
 
 @pytest.mark.parametrize("scheme,positions", [("admin-paper", "sinusoidal"),

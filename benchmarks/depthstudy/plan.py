@@ -124,3 +124,39 @@ OMEGA_VARIANTS = {
 }
 for _name in OMEGA_VARIANTS:
     SCHEMES[_name] = list(SCHEMES["admin-paper"])
+
+
+# --------------------------------------------------------------------------- the rivals
+#: issue 21: the later rivals of Admin, same recipe (fairseq_admin_pos.schemes)
+SCHEMES["b2t"] = ["--admin-residual", "b2t"]
+SCHEMES["resi-dual"] = ["--admin-residual", "resi-dual"]
+
+_FACTORIAL = ("admin-paper-adam", "admin-radam", "admin-profile", "admin-profile-radam")
+PLANS["admin-causes"] = (
+    # issue 22, seed 1 of what is not yet known at the deep encoder: the eval profile with
+    # either optimizer, then which omegas matter (admin-paper's profile changed per variant)
+    [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin-profile", "admin-profile-radam")]
+    + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin-paper-floor", "admin-paper-enc",
+                                                 "admin-paper-closed-bottom",
+                                                 "admin-paper-max", "admin-paper-dec")]
+    # the seeds of the factorial (Clinic profile + Adam and closed form + RAdam: the issue's
+    # numbers stand for seed 1 until their rows are run at the end)
+    + [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (2, 3) for s in _FACTORIAL]
+    # 12L-12L, where admin-paper trails the closed form: the optimizer swapped both ways
+    + [(s, "12L-12L", seed, "sinusoidal") for seed in (1, 2, 3)
+       for s in ("admin-paper-adam", "admin-radam")]
+    + [(s, _DEEP_ENC, 2, "sinusoidal") for s in OMEGA_VARIANTS]
+    + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin-paper-adam", "admin-radam")]
+)
+#: issue 22's schedule factor: the same models at Transformer-Clinic's WMT14 peak lr
+PLANS["admin-schedule"] = [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (1, 2)
+                           for s in ("admin-paper", "admin")]
+PLANS["rivals"] = (
+    [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("b2t", "resi-dual")]
+    + [(s, "12L-12L", 1, "sinusoidal") for s in ("b2t", "resi-dual")]
+    + [(s, "6L-6L", 1, "sinusoidal") for s in ("b2t", "resi-dual")]
+    + [(s, d, seed, "sinusoidal") for seed in (2, 3) for d in (_DEEP_ENC, "12L-12L")
+       for s in ("b2t", "resi-dual")]
+)
+#: a plan's own recipe, over the preset's (an explicit flag still wins)
+PLAN_RECIPES = {"admin-schedule": dict(lr=1e-3)}

@@ -58,3 +58,47 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_omega_plot(rows, path: Path, depth: str = "24L-3L") -> bool:
+    """Omega against sub-layer index at ``depth``, one line per omega source (the first seed
+    of each scheme with recorded omegas): at initialisation solid, after the last update
+    dashed; encoder and decoder in two panels. False (nothing drawn) without such rows."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    chosen = {}
+    for r in sorted(rows, key=_row_order):
+        if r["depth"] == depth and r.get("init_omegas") and r["positions"] == "sinusoidal":
+            chosen.setdefault((r["scheme"], r["lr"], r["warmup"]), r)
+    if not chosen:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    cmap = plt.get_cmap("tab10")
+    for i, ((scheme, lr, warmup), r) in enumerate(chosen.items()):
+        init = json.loads(r["init_omegas"])
+        final = json.loads(r["final_omegas"]) if r.get("final_omegas") else {}
+        label = f"{scheme}" + ("" if (lr, warmup) == ("0.002", "400") else f" lr {lr} wu {warmup}")
+        label += f" s{r['seed']} (BLEU {r['bleu'] or '-'})"
+        for ax, stack in zip(axes, ("encoder", "decoder")):
+            if stack in init:
+                ax.plot(range(1, len(init[stack]) + 1), init[stack], color=cmap(i % 10),
+                        lw=1.2, label=label if stack == "encoder" else None)
+            if stack in final:
+                ax.plot(range(1, len(final[stack]) + 1), final[stack], color=cmap(i % 10),
+                        lw=1.0, ls="--")
+    for ax, stack in zip(axes, ("encoder", "decoder")):
+        ax.set_title(f"{depth} {stack}: omega per sub-layer (solid: initial, dashed: final mean)")
+        ax.set_xlabel("residual sub-layer (execution order)")
+        ax.set_ylabel("omega")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .common import log, parse_depth, relative
 from .data import TGT
-from .plan import POSITIONS, SCHEMES
+from .plan import POSITIONS, PRESETS, SCHEMES
 
 CSV_FIELDS = [
     "key", "study", "scheme", "positions", "depth", "encoder_layers", "decoder_layers", "seed",
@@ -130,16 +130,29 @@ def _mean_spread(values, nd=2):
     return f"{mean:.{nd}f} +- {std:.{nd}f} ({min(xs):.{nd}f}-{max(xs):.{nd}f})"
 
 
+def recipe_label(r) -> str:
+    """The row's scheme, with its learning rate and warmup when they are not its study's
+    preset (issue 22's schedule rows must not be averaged with the preset's)."""
+    for preset in PRESETS.values():
+        if (str(preset["embed_dim"]), str(preset["max_update"])) == (r["embed_dim"],
+                                                                     r["max_update"]):
+            if (f"{preset['lr']:g}", str(preset["warmup"])) != (r["lr"], r["warmup"]):
+                return f"{r['scheme']} (lr {r['lr']}, warmup {r['warmup']})"
+    return r["scheme"]
+
+
 def summary_lines(rows):
-    """One line per (depth, positions, scheme): seeds, statuses, BLEU and valid nll as
-    mean +- sample standard deviation (min-max) over the seeds."""
+    """One line per (depth, positions, scheme and recipe): seeds, statuses, BLEU and valid
+    nll as mean +- sample standard deviation (min-max) over the seeds, the distinct
+    translations of each seed, and the mean source gain (``depthstudy.probe``)."""
     groups = {}
     for r in sorted(rows, key=_row_order):
-        groups.setdefault((r["depth"], r["positions"], r["scheme"]), []).append(r)
+        groups.setdefault((r["depth"], r["positions"], recipe_label(r)), []).append(r)
     lines = [
         "| depth | positions | scheme | seeds | status | BLEU mean +- std (min-max) | "
-        "best valid nll (bits) mean +- std (min-max) |",
-        "|---|---|---|---|---|---|---|",
+        "best valid nll (bits) mean +- std (min-max) | distinct translations | "
+        "source gain (bits) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (depth, pos, scheme), rs in groups.items():
         statuses = Counter(r["status"] for r in rs)
@@ -147,9 +160,19 @@ def summary_lines(rows):
         lines.append(
             f"| {depth} | {pos} | {scheme} | {','.join(r['seed'] for r in rs)} | {status} | "
             f"{_mean_spread([r['bleu'] for r in rs])} | "
-            f"{_mean_spread([r['best_valid_nll'] for r in rs], 3)} |"
+            f"{_mean_spread([r['best_valid_nll'] for r in rs], 3)} | "
+            f"{', '.join(r['distinct_hyps'] or '-' for r in rs)} | "
+            f"{_mean_spread([r.get('source_gain') for r in rs], 3)} |"
         )
     return lines
+
+
+def _gnorm_cell(gnorms: str) -> str:
+    g = json.loads(gnorms) if gnorms else {}
+    if "enc_gnorm" not in g or "dec_gnorm" not in g:
+        return "-"
+    return "; ".join(f"{e:.2f} / {d:.2f}" if e is not None and d is not None else "-"
+                     for e, d in zip(g["enc_gnorm"], g["dec_gnorm"]))
 
 
 def write_table(rows, path: Path, planned=()) -> None:
@@ -167,9 +190,10 @@ def write_table(rows, path: Path, planned=()) -> None:
         lines += [
             "", "Every run:", "",
             "| # | depth | positions | scheme | seed | updates | status | final train nll (bits) | "
-            "best valid nll (bits) / ppl | BLEU | distinct translations | "
+            "best valid nll (bits) / ppl | BLEU | distinct translations | source gain (bits) | "
+            "grad norm enc / dec (warmup; after) | "
             "final shortcut weights / position scale | train wall (s) | updates/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rs:
             n += 1
@@ -179,10 +203,11 @@ def write_table(rows, path: Path, planned=()) -> None:
                 f"{k} " + ("/".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}")
                 for k, v in sorted(shortcuts.items())) or "-"
             lines.append(
-                f"| {n} | {r['depth']} | {r['positions']} | {r['scheme']} | {r['seed']} | "
+                f"| {n} | {r['depth']} | {r['positions']} | {recipe_label(r)} | {r['seed']} | "
                 f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
                 f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
-                f"{r['distinct_hyps'] or '-'} | {shown} | {r['train_wall_s']} | "
+                f"{r['distinct_hyps'] or '-'} | {r['source_gain'] or '-'} | "
+                f"{_gnorm_cell(r['gnorms'])} | {shown} | {r['train_wall_s']} | "
                 f"{r['updates_per_s']} |"
             )
         missing = [m for m in planned if m[0] == study]
@@ -196,7 +221,11 @@ def write_table(rows, path: Path, planned=()) -> None:
     lines += [f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
               f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "",
               "Omega columns: mean/min/max over every omega entry of the stack after the last "
-              "update; position scale: the learned scalar of the scaled sinusoid. Distinct "
+              "update; position scale: the learned scalar of the scaled sinusoid. Source gain: "
+              "validation nll with each sentence given the next sentence's source minus the "
+              "nll with its own (about 0: the decoder ignores the source; benchmarks/"
+              "depthstudy/probe.py). Grad norm: the training monitor's encoder / decoder "
+              "gradient norms, mean over the warmup updates; after them. Distinct "
               "translations: different sentences among the test set's translations (1 means "
               "the same sentence for every source: the model ignores the source; '-' where "
               "the run's translations were lost).", "",
@@ -241,6 +270,8 @@ def publish(out: Path, dest: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     shutil.copyfile(out / "depth_study_loss.png", dest / "depth_study_loss.png")
+    if (out / "depth_study_omegas.png").is_file():
+        shutil.copyfile(out / "depth_study_omegas.png", dest / "depth_study_omegas.png")
     (dest / "depth_study_curves").mkdir(exist_ok=True)
     for r in rows:
         if (out / r["curve_file"]).is_file():

@@ -2,6 +2,7 @@
 one CSV row per finished run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -296,6 +297,24 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
     return row
 
 
+@contextlib.contextmanager
+def claim(out: Path, key: str):
+    """Yield whether this process holds the run ``key`` (an exclusive, non-blocking lock on
+    ``OUT/runs/<run>.lock`` for as long as the run takes): two study processes on one output
+    folder never train the same run; the lock goes with the process, however it ends."""
+    import fcntl
+
+    path = out / "runs" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
 def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     """Run the grid's missing runs, ``--jobs`` at a time, in grid order.
 
@@ -330,8 +349,14 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     def worker():
         while (item := next_item()) is not None:
             scheme, depth, seed, pos = item
+            key = run_key(scheme, depth, seed, args, pos)
             try:
-                row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, pos)
+                with claim(args.out, key) as mine:
+                    if not mine or key in {r["key"] for r in read_rows(csv_path)}:
+                        log(f"run {key}: running or done in another study process; skipped")
+                        continue
+                    row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd,
+                                  pos)
             except Exception:  # one broken run must not end the grid; it stays missing
                 import traceback
 

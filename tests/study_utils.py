@@ -1,0 +1,28 @@
+"""Shared helpers for the tests of benchmarks/depth_study.py: the tiny recipe and running it."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from fairseq_cli_utils import REPO, env
+
+STUDY = REPO / "benchmarks" / "depth_study.py"
+TINY = ["--depths", "2L-1L", "--embed-dim", "16", "--ffn-dim", "32", "--heads", "2",
+        "--vocab", "60", "--max-update", "4", "--warmup", "2", "--max-tokens", "600",
+        "--validate-every", "2", "--log-interval", "1", "--threads", "1"]
+
+
+def study(*args, check=True):
+    proc = subprocess.run([sys.executable, str(STUDY), *map(str, args)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def load_study_module():
+    spec = importlib.util.spec_from_file_location("depth_study", STUDY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
