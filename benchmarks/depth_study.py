@@ -37,6 +37,23 @@ Steps (every fairseq / data command is printed before it runs):
    them into the docs folder and its results.md). Commands are recorded relative to the
    repository root.
 
+Issue 22 (why the paper's Admin fails at 24L-3L; ``--plan admin-causes``, ``--plan
+admin-schedule``): every row also records each sub-layer's omega at initialisation (the
+profile the run's log prints, the variant's file, or the closed form) and at the end (from
+``checkpoint_last.pt``), the training monitor's encoder / decoder gradient norms (means over
+the warmup and after it), and ``depthstudy/probe.py``'s source gain: the validation nll with
+each sentence given the next sentence's source minus the nll with its own (about 0: the
+decoder ignores the source), measured on ``checkpoint_best.pt`` before the checkpoints are
+deleted. The omega variants (``admin-paper-floor``, ``-closed-bottom``, ``-max``, ``-enc``,
+``-dec``; ``depthstudy/plan.py``) train admin-paper from its own Clinic profile changed by a
+rule: the profile is measured once per depth and seed (``OUT/profiles``, a one-update
+``fairseq-train`` with ``--admin-profile-path``), the variant's omegas are written to the
+run's ``omegas.json`` and read through ``--admin-profile-path``. In clinic mode each omega is
+measured with the earlier ones already in place, so a variant that changes the bottom omegas
+keeps upper omegas that were measured under the original bottom: it is not a re-profile.
+
+Parts: ``benchmarks/depthstudy/`` (plan, data, runner, logs, report, plot, omegas, probe).
+
 Residual schemes (flags of ``fairseq_admin_pos``; the same as ``make demo --scheme``):
 
 * ``post-ln``: ``--admin-init none`` (omega = 1: stock fairseq Post-LN);
@@ -169,7 +186,9 @@ def build_parser():
     p.add_argument("--keep-checkpoints", action="store_true",
                    help="keep checkpoint_best.pt of each run (deleted after BLEU otherwise)")
     p.add_argument("--report-only", action="store_true",
-                   help="only rewrite the table and figure from results.csv")
+                   help="run nothing new: rewrite the table and figures from results.csv "
+                        "(after filling the issue-22 columns of rows whose run folders are "
+                        "still in OUT/runs)")
     p.add_argument("--publish", type=Path, default=None, metavar="DIR",
                    help="also copy results.csv -> DIR/depth_study_results.csv, the figure -> "
                         "DIR/depth_study_loss.png, and put the table into DIR/results.md "

@@ -2,6 +2,7 @@
 command with its output streamed to a log file, the depth syntax, fairseq's environment."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -90,3 +91,15 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """An exclusive lock on ``path`` (created if missing), held for the ``with`` block: study
+    processes sharing one output folder take turns at what they must not do at once."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield

@@ -10,7 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .common import fairseq_env, log, run_checked
+from .common import fairseq_env, file_lock, log, run_checked
 
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 LANGS = ("en", "de")
@@ -42,7 +42,13 @@ def read_gz(path: Path):
 
 
 def prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int) -> Path:
-    """Raw text -> sentencepiece -> fairseq binary, in ``out/data``; cached."""
+    """Raw text -> sentencepiece -> fairseq binary, in ``out/data``; cached. Study processes
+    sharing ``out`` take turns (``out/data.lock``): the first prepares, the others reuse."""
+    with file_lock(out / "data.lock"):
+        return _prepare_data(data, out, vocab, threads, workers)
+
+
+def _prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int) -> Path:
     root = out / "data"
     bin_dir = root / "bin"
     stamp = root / "COMPLETE.json"

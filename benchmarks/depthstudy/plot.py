@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report import _row_order, _study_order, curve_path, depth_order
+from .report import _row_order, _study_order, curve_path, depth_order, recipe_label
 
 def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     """Loss curves of the newest study, one panel per depth (rows whose curve file is here)."""
@@ -29,7 +29,11 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.5), squeeze=False)
     colors = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
               "admin-profile": "tab:purple", "admin-paper": "tab:purple",
-              "deepnorm": "tab:orange"}
+              "deepnorm": "tab:orange", "admin-radam": "lime", "admin-profile-radam": "violet",
+              "admin-paper-adam": "indigo", "admin-paper-floor": "tab:olive",
+              "admin-paper-closed-bottom": "tab:cyan", "admin-paper-max": "tab:brown",
+              "admin-paper-enc": "tab:pink", "admin-paper-dec": "tab:gray", "b2t": "gold",
+              "resi-dual": "teal"}
     pos_colors = {"sinusoidal": "tab:green", "scaled-sinusoidal": "tab:olive",
                   "scaled-sinusoidal-seed": "tab:brown", "learned": "tab:cyan"}
     for ax, k in zip(axes[0], keys):
@@ -37,14 +41,15 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
         first_seed = {}
         by_pos = len({r["positions"] for r in groups[k]}) > 1
         for r in sorted(groups[k], key=_row_order):
-            name = r["positions"] if by_pos else r["scheme"]
+            name = r["positions"] if by_pos else recipe_label(r)
             # later seeds: same colour, lighter, so the variants stay readable
             alpha = 1.0 if first_seed.setdefault(name, r["seed"]) == r["seed"] else 0.4
             curve = json.loads(curve_path(out, r, published).read_text())
-            c = (pos_colors if by_pos else colors).get(name, "black")
+            c = (pos_colors if by_pos else colors).get(name if by_pos else r["scheme"], "black")
+            ls = ":" if not by_pos and name != r["scheme"] else "-"  # another lr / warmup
             label = f"{name} s{r['seed']} ({r['status']}, BLEU {r['bleu'] or '-'})"
             ax.plot([p["update"] for p in curve["train"]], [p["nll"] for p in curve["train"]],
-                    color=c, lw=1.1, alpha=alpha, label=label)
+                    color=c, lw=1.1, ls=ls, alpha=alpha, label=label)
             ax.plot([p["update"] for p in curve["valid"]], [p["nll"] for p in curve["valid"]],
                     color=c, ls="--", marker="o", ms=3, alpha=alpha)
             ent = float(r["unigram_entropy_bits"])
@@ -79,18 +84,17 @@ def write_omega_plot(rows, path: Path, depth: str = "24L-3L") -> bool:
     if not chosen:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     for i, ((scheme, lr, warmup), r) in enumerate(chosen.items()):
         init = json.loads(r["init_omegas"])
         final = json.loads(r["final_omegas"]) if r.get("final_omegas") else {}
-        label = f"{scheme}" + ("" if (lr, warmup) == ("0.002", "400") else f" lr {lr} wu {warmup}")
-        label += f" s{r['seed']} (BLEU {r['bleu'] or '-'})"
+        label = f"{recipe_label(r)} s{r['seed']} (BLEU {r['bleu'] or '-'})"
         for ax, stack in zip(axes, ("encoder", "decoder")):
             if stack in init:
-                ax.plot(range(1, len(init[stack]) + 1), init[stack], color=cmap(i % 10),
+                ax.plot(range(1, len(init[stack]) + 1), init[stack], color=cmap(i % 20),
                         lw=1.2, label=label if stack == "encoder" else None)
             if stack in final:
-                ax.plot(range(1, len(final[stack]) + 1), final[stack], color=cmap(i % 10),
+                ax.plot(range(1, len(final[stack]) + 1), final[stack], color=cmap(i % 20),
                         lw=1.0, ls="--")
     for ax, stack in zip(axes, ("encoder", "decoder")):
         ax.set_title(f"{depth} {stack}: omega per sub-layer (solid: initial, dashed: final mean)")

@@ -2,7 +2,6 @@
 every run, what is missing), and publishing them into the docs."""
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
@@ -11,7 +10,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-from .common import log, parse_depth, relative
+from .common import file_lock, log, parse_depth, relative
 from .data import TGT
 from .plan import POSITIONS, PRESETS, SCHEMES
 
@@ -66,14 +65,9 @@ def append_row(path: Path, row) -> None:
         write_rows(path, read_rows(path) + [row])
 
 
-@contextlib.contextmanager
 def csv_lock(path: Path):
     """An exclusive lock on ``<path>.lock`` for a read-and-rewrite of the CSV."""
-    import fcntl
-
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    return file_lock(path.with_name(path.name + ".lock"))
 
 
 def write_rows(path: Path, rows) -> None:

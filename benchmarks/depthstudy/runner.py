@@ -9,11 +9,13 @@ import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
 
-from .common import REPO, USER_DIR, cpu_name, fairseq_env, log, parse_depth, run_checked
+from .common import (REPO, USER_DIR, cpu_name, fairseq_env, file_lock, log, parse_depth,
+                     run_checked)
 from .data import TGT
 from .logs import classify, gnorm_summary, parse_curve
 from .omegas import init_omegas, write_variant_file
@@ -158,21 +160,21 @@ def measure_profile(args, root, scheme, depth, seed, positions) -> Path:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_key(scheme, depth, seed, args, positions))
     folder = args.out / "profiles"
     path = folder / f"{name}.json"
-    if path.is_file():
+    # two variants of one depth and seed (two jobs, two processes) need the same profile:
+    # one measures it, the other waits and reads it
+    with file_lock(folder / f"{name}.lock"):
+        if path.is_file():
+            return path
+        work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=folder))
+        cmd = train_command(args, root / "bin", work / "ckpt", scheme, enc, dec, seed, positions)
+        cmd[cmd.index("--max-update") + 1] = "1"
+        cmd += ["--admin-profile-path", str(path), "--no-save", "--disable-validation"]
+        rc, text, _ = run_checked(cmd, fairseq_env(args.threads), work / "train.log")
+        if rc != 0 or not path.is_file():
+            raise RuntimeError(f"measuring the profile for {name} failed (rc {rc}); see "
+                               f"{work / 'train.log'}\n" + "\n".join(text.splitlines()[-10:]))
+        shutil.rmtree(work, ignore_errors=True)
         return path
-    folder.mkdir(parents=True, exist_ok=True)
-    work = folder / f"{name}.tmp"
-    shutil.rmtree(work, ignore_errors=True)
-    cmd = train_command(args, root / "bin", work / "ckpt", scheme, enc, dec, seed, positions)
-    cmd[cmd.index("--max-update") + 1] = "1"
-    cmd += ["--admin-profile-path", str(path), "--no-save", "--disable-validation"]
-    work.mkdir(parents=True)
-    rc, text, _ = run_checked(cmd, fairseq_env(args.threads), work / "train.log")
-    if rc != 0 or not path.is_file():
-        raise RuntimeError(f"measuring the profile for {name} failed (rc {rc}); see "
-                           f"{work / 'train.log'}\n" + "\n".join(text.splitlines()[-10:]))
-    shutil.rmtree(work, ignore_errors=True)
-    return path
 
 
 def probe_run(root: Path, save_dir: Path, env) -> dict:
@@ -186,10 +188,13 @@ def probe_run(root: Path, save_dir: Path, env) -> dict:
                env.get("PYTHONPATH", ""))
     proc = subprocess.run([str(c) for c in cmd], env=env, cwd=REPO, capture_output=True,
                           text=True)
-    if proc.returncode != 0:
-        log(f"probe of {save_dir} failed (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
+    try:
+        if proc.returncode != 0:
+            raise ValueError(f"rc {proc.returncode}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError) as err:  # a run's row is kept without the probe
+        log(f"probe of {save_dir} failed ({err}):\n{proc.stderr[-2000:]}")
         return {}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def diagnostics(scheme_flags, log_text, enc, dec, omega_file, curve, warmup, probed) -> dict:
@@ -346,34 +351,38 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                     return item
             return None
 
+    def record(row) -> None:
+        with lock:
+            append_row(csv_path, row)
+            rows = read_rows(csv_path)
+            done_keys = {r["key"] for r in rows}
+            missing = [(study_name(args), *g) for g in grid
+                       if run_key(*g[:3], args, g[3]) not in done_keys]
+            write_table(rows, args.out / "results_table.md", missing)
+            write_plot(rows, args.out, args.out / "depth_study_loss.png",
+                       args.publish or REPO / "docs")
+
     def worker():
         while (item := next_item()) is not None:
             scheme, depth, seed, pos = item
             key = run_key(scheme, depth, seed, args, pos)
             try:
+                # the claim is held until the row is in the CSV: another process that
+                # reaches this run sees either the lock or the row
                 with claim(args.out, key) as mine:
                     if not mine or key in {r["key"] for r in read_rows(csv_path)}:
                         log(f"run {key}: running or done in another study process; skipped")
                         continue
                     row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd,
                                   pos)
+                    if row is not None:
+                        record(row)
             except Exception:  # one broken run must not end the grid; it stays missing
                 import traceback
 
                 log(f"run {item} failed, not recorded (a rerun retries it):\n"
                     + traceback.format_exc())
                 continue
-            if row is None:
-                continue
-            with lock:
-                append_row(csv_path, row)
-                rows = read_rows(csv_path)
-                done_keys = {r["key"] for r in rows}
-                missing = [(study_name(args), *g) for g in grid
-                           if run_key(*g[:3], args, g[3]) not in done_keys]
-                write_table(rows, args.out / "results_table.md", missing)
-                write_plot(rows, args.out, args.out / "depth_study_loss.png",
-                           args.publish or REPO / "docs")
 
     threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
     for t in threads:
@@ -384,16 +393,12 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
 
 def backfill(args, root: Path, csv_path: Path) -> None:
     """Fill the issue-22 columns of rows recorded without them whose run folder is still in
-    ``OUT/runs`` (its train.log, and its checkpoints for the probe: ``--keep-checkpoints``)."""
-    with csv_lock(csv_path):
-        _backfill(args, root, csv_path)
-
-
-def _backfill(args, root: Path, csv_path: Path) -> None:
-    rows = read_rows(csv_path)
-    changed = False
-    for r in rows:
-        if r["source_gain"] or not r["curve_file"]:
+    ``OUT/runs``: omegas at initialisation and gradient norms from its train.log, the probe
+    from its checkpoints where they were kept (``--keep-checkpoints``). A row is filled once;
+    the probes run outside the CSV lock, and the rows are merged by key under it."""
+    filled = {}
+    for r in read_rows(csv_path):
+        if r["init_omegas"] or r["gnorms"] or r["source_gain"] or not r["curve_file"]:
             continue
         run_dir = args.out / Path(r["curve_file"]).parent
         log_file = run_dir / "train.log"
@@ -402,10 +407,14 @@ def _backfill(args, root: Path, csv_path: Path) -> None:
         probed = probe_run(root, run_dir / "ckpt", fairseq_env(args.threads))
         omega_file = run_dir / "omegas.json" if r["scheme"] in OMEGA_VARIANTS else None
         text = log_file.read_text()
-        r.update(diagnostics(SCHEMES[r["scheme"]], text, int(r["encoder_layers"]),
-                             int(r["decoder_layers"]), omega_file, parse_curve(text),
-                             int(r["warmup"]), probed))
-        changed = True
-        log(f"{r['key']}: issue-22 columns filled (source gain {r['source_gain'] or '-'})")
-    if changed:
-        write_rows(csv_path, rows)
+        filled[r["key"]] = diagnostics(SCHEMES[r["scheme"]], text, int(r["encoder_layers"]),
+                                       int(r["decoder_layers"]), omega_file, parse_curve(text),
+                                       int(r["warmup"]), probed)
+        log(f"{r['key']}: issue-22 columns filled (source gain "
+            f"{filled[r['key']]['source_gain'] or '-'})")
+    if filled:
+        with csv_lock(csv_path):
+            rows = read_rows(csv_path)
+            for r in rows:
+                r.update(filled.get(r["key"], {}))
+            write_rows(csv_path, rows)
