@@ -103,7 +103,7 @@ from depthstudy.plan import (_DEEP_ENC, PLAN_RECIPES, PLANS, POSITIONS, PRESETS,
                              QUICK,
                              SCHEMES, run_key, study_name)
 from depthstudy.plot import write_omega_plot, write_plot  # noqa: E402,F401
-from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START,  # noqa: E402,F401
+from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START, append_row,  # noqa: E402,F401
                                distinct_translations, publish, read_rows, write_table)
 from depthstudy.runner import (backfill, claim, final_shortcuts, generate, one_run, run_grid,  # noqa: E402,F401
                                train_command, unsupported_flags)

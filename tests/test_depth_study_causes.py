@@ -15,7 +15,7 @@ from study_utils import TINY, load_study_module, study
 DEPTH = ["--depths", "2L-2L"]  # the decoder needs 4+ sub-layers for a "bottom quarter"
 VARIANTS = ("admin-paper-floor", "admin-paper-closed-bottom", "admin-paper-max",
             "admin-paper-enc", "admin-paper-dec")
-TRAINED_VARIANTS = ("admin-paper-closed-bottom", "admin-paper-enc")  # the file route, twice
+TRAINED_VARIANTS = ("admin-paper-closed-bottom",)  # the file route, both stacks changed
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def grid(tmp_path_factory):
     write_fake_multi30k(tmp / "m30k")
     out = tmp / "out"
     study("--data", tmp / "m30k", "--out", out, "--schemes",
-          ",".join(("admin-paper", "admin") + TRAINED_VARIANTS), "--seeds", "1",
+          ",".join(("admin-paper",) + TRAINED_VARIANTS), "--seeds", "1",
           *TINY, *DEPTH, "--keep-checkpoints")
     # as the study reads them: commands relative to the repository (the newest row of the
     # file itself is written as it ran)
@@ -87,13 +87,24 @@ def expected_variant(variant, profile):
     return out
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_variant_rule(module, variant):
-    profile = {"encoder": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
-               "decoder": [1.0, 0.9, 1.2, 1.4, 1.1, 1.6]}
-    got = module.variant_omegas(variant, profile)
-    want = expected_variant(variant, profile)
-    assert got == {s: pytest.approx(v, abs=1e-12) for s, v in want.items()}
+# closed form: N=8 (encoder) sqrt(9/ln 9 - 1) = 1.7596, N=6 (decoder) sqrt(7/ln 7 - 1) = 1.6116
+PROFILE = {"encoder": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+           "decoder": [1.0, 0.9, 1.2, 1.7, 1.1, 1.65]}
+C8, C6 = 1.7596, 1.6116
+
+
+@pytest.mark.parametrize("variant,want", [
+    ("admin-paper-floor", {"encoder": [C8, C8, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+                           "decoder": [C6, C6, C6, 1.7, C6, 1.65]}),
+    ("admin-paper-closed-bottom", {"encoder": [C8, C8, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+                                   "decoder": [C6, 0.9, 1.2, 1.7, 1.1, 1.65]}),
+    ("admin-paper-max", {"encoder": [4.5] * 8, "decoder": [1.7] * 6}),
+    ("admin-paper-enc", {"encoder": PROFILE["encoder"], "decoder": [C6] * 6}),
+    ("admin-paper-dec", {"encoder": [C8] * 8, "decoder": PROFILE["decoder"]}),
+])
+def test_variant_rule(module, variant, want):
+    got = module.variant_omegas(variant, PROFILE)
+    assert got == {s: pytest.approx(v, abs=1e-4) for s, v in want.items()}
 
 
 def test_unknown_variant_is_an_error(module):
@@ -123,17 +134,35 @@ def test_variant_trains_admin_papers_recipe(grid, variant):
                             "lr0.002_wu2_mt600_v60/omegas.json")
 
 
-def test_init_omegas_of_the_closed_form(grid):
-    want = {"encoder": [closed(4)] * 4, "decoder": [closed(6)] * 6}
-    assert json.loads(grid["rows"]["admin"]["init_omegas"]) == {
-        s: pytest.approx(v, abs=1e-4) for s, v in want.items()}
+@pytest.mark.parametrize("enc,dec", [(24, 3), (12, 12)])
+def test_init_omegas_of_the_closed_form_are_the_packages(module, enc, dec):
+    from fairseq_admin_pos.admin import calculate_init  # admin-torch's API, the model's value
+
+    got = module.init_omegas(module.SCHEMES["admin"], "", enc, dec)
+    assert got == {"encoder": [round(calculate_init(2 * enc), 4)] * (2 * enc),
+                   "decoder": [round(calculate_init(3 * dec), 4)] * (3 * dec)}
 
 
 def test_init_omegas_of_post_ln_are_not_recorded(module):
     assert module.init_omegas(module.SCHEMES["post-ln"], "", 2, 2) == {}
 
 
-@pytest.mark.parametrize("scheme", ["admin-paper", "admin", "admin-paper-enc"])
+@pytest.mark.parametrize("extra,missing", [([], 3), (["--lr=0.0007"], 4)])
+def test_a_plans_recipe_sets_the_lr_and_an_explicit_flag_wins(module, tmp_path, extra, missing):
+    # one admin-schedule run done at its lr 1e-3: with the plan's lr 3 of 4 runs are missing,
+    # with another lr given on the command line all 4 are
+    row = {"key": "admin-paper|24L-3L|seed1|700upd|d128|lr0.001|wu400|mt4096",
+           "study": "d128-700upd", "scheme": "admin-paper", "positions": "sinusoidal",
+           "depth": "24L-3L", "seed": "1", "embed_dim": "128", "max_update": "700",
+           "lr": "0.001", "warmup": "400", "status": "trained", "bleu": "20.00",
+           "best_valid_nll": "4.000"}
+    module.append_row(tmp_path / "results.csv", row)
+    proc = study("--out", tmp_path, "--report-only", "--plan", "admin-schedule", *extra)
+    assert f"Still missing from the plan ({missing} runs)" in proc.stdout
+    assert "| 24L-3L | sinusoidal | admin-paper (lr 0.001, warmup 400) | 1 |" in proc.stdout
+
+
+@pytest.mark.parametrize("scheme", ["admin-paper", "admin-paper-closed-bottom"])
 def test_probe_valid_nll_is_fairseqs_best_valid_nll(grid, scheme):
     r = grid["rows"][scheme]
     assert float(r["probe_valid_nll"]) == pytest.approx(float(r["best_valid_nll"]), abs=6e-4)
@@ -151,17 +180,17 @@ def test_other_source_nll_is_fairseq_validate_on_rotated_sources(grid, tmp_path)
         "--source-lang", "en", "--target-lang", "de", "--validpref", tmp_path / "valid",
         "--destdir", dest, "--srcdict", data / "bin" / "dict.en.txt",
         "--tgtdict", data / "bin" / "dict.de.txt", "--workers", "1"])
-    ckpt = run_dir(grid, "admin") / "ckpt" / "checkpoint_best.pt"
+    ckpt = run_dir(grid, "admin-paper") / "ckpt" / "checkpoint_best.pt"
     proc = run("fairseq_cli.validate", [
         dest, "--task", "translation", "--user-dir", "fairseq_admin_pos", "--path", ckpt, "--cpu",
         "--valid-subset", "valid", "--max-tokens", "4000", "--num-workers", "0",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"])
     nll = float(re.search(r"nll_loss ([0-9.]+)", proc.stdout + proc.stderr).group(1))
-    assert float(grid["rows"]["admin"]["valid_nll_other_source"]) == pytest.approx(nll,
+    assert float(grid["rows"]["admin-paper"]["valid_nll_other_source"]) == pytest.approx(nll,
                                                                                    abs=6e-4)
 
 
-@pytest.mark.parametrize("scheme", ["admin-paper", "admin-paper-enc"])
+@pytest.mark.parametrize("scheme", ["admin-paper", "admin-paper-closed-bottom"])
 def test_final_omegas_are_the_last_checkpoints(grid, scheme):
     state = load_model_state(run_dir(grid, scheme) / "ckpt" / "checkpoint_last.pt")
     want = {}
@@ -174,9 +203,9 @@ def test_final_omegas_are_the_last_checkpoints(grid, scheme):
 
 
 def test_gradient_norms_are_the_logged_means(grid):
-    r = grid["rows"]["admin"]
+    r = grid["rows"]["admin-paper"]
     lines = [json.loads(line.split("| train_inner | ", 1)[1])
-             for line in (run_dir(grid, "admin") / "train.log").read_text().splitlines()
+             for line in (run_dir(grid, "admin-paper") / "train.log").read_text().splitlines()
              if "| train_inner | {" in line]
     warmup = int(r["warmup"])
     got = json.loads(r["gnorms"])
