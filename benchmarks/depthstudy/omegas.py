@@ -1,4 +1,4 @@
-"""Omegas of a run at initialisation, and the omega files of the variants of ``plan.OMEGA_VARIANTS``.
+"""Omegas of a run at initialisation, and the omega files of ``plan.OMEGA_VARIANTS``.
 
 A variant's omegas start from the run's own Clinic profile: ``fairseq-train`` of admin-paper at
 the same depth and seed, stopped after one update, with ``--admin-profile-path`` writing the
