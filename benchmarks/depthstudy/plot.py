@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .common import parse_depth
+from .omegas import closed_form
 from .report import _row_order, _study_order, curve_path, depth_order, recipe_label
 
 def write_plot(rows, out: Path, path: Path, published: Path) -> None:
@@ -96,12 +98,16 @@ def write_omega_plot(rows, path: Path, depth: str = "24L-3L") -> bool:
             if stack in final:
                 ax.plot(range(1, len(final[stack]) + 1), final[stack], color=cmap(i % 20),
                         lw=1.0, ls="--")
-    for ax, stack in zip(axes, ("encoder", "decoder")):
-        ax.set_title(f"{depth} {stack}: omega per sub-layer (solid: initial, dashed: final mean)")
+    enc, dec = parse_depth(depth)
+    for ax, stack, n in zip(axes, ("encoder", "decoder"), (2 * enc, 3 * dec)):
+        ax.axhline(closed_form(n), color="gray", ls=":", lw=1.0,
+                   label=f"closed form O(logn), N={n}: {closed_form(n):.3f}")
+        ax.set_title(f"{depth} {stack}: omega per sub-layer\n(solid: initial; dashed: final, "
+                     "mean of the vector)", fontsize=9)
+        ax.legend(fontsize=6)
         ax.set_xlabel("residual sub-layer (execution order)")
         ax.set_ylabel("omega")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
