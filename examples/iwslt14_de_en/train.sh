@@ -11,6 +11,9 @@
 # Clinic (--optimizer radam --radam-early-steps skip), so they differ in the residual alone.
 # admin-closed-form: admin-torch's closed-form Admin with Adam.
 #
+# In this package's CPU-scale depth study the paper's Admin failed at 24L-3L (lr 2e-3, 400
+# warmup, 700 updates) where the closed form trained: README.md of this folder.
+#
 # Published recipe (Liu et al. 2020; Transformer-Clinic nmt-experiments/iwslt14_de-en.md):
 # 1 GPU x 4096 tokens x update-freq 1, lr 7e-4, inverse_sqrt with 6000 warmup updates from
 # 1e-7, betas (0.9, 0.98), no clipping, dropout 0.3, attention / activation dropout 0.1,

@@ -13,6 +13,9 @@
 # skip), so they differ in the residual alone. admin-closed-form is admin-torch's Admin
 # (--admin-init closed-form --admin-omega parameter) with Adam, as admin-torch trains it.
 #
+# In this package's CPU-scale depth study the paper's Admin failed at 24L-3L (lr 2e-3, 400
+# warmup, 700 updates) where the closed form trained: README.md of this folder.
+#
 # Published recipe (Liu et al. 2020; Transformer-Clinic nmt-experiments/wmt14_en-de.md):
 # 4 GPUs x 8192 tokens x update-freq 1 = 32768 tokens per update, lr 1e-3, inverse_sqrt with
 # 8000 warmup updates from 1e-7, betas (0.9, 0.98), no clipping, dropout / attention /
