@@ -139,9 +139,12 @@ PLANS["admin-causes"] = (
     # (at 24L-3L seed 1 the Clinic profile is below the closed form on 47 of 48 encoder and 8
     # of 9 decoder sub-layers and tops out at it, so floor and max are both close to the
     # closed form: max comes last)
+    # (enc and dec first: they split the question by stack before closed-bottom splits it by
+    # height)
     + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin-paper-floor", "admin-paper-enc",
+                                                 "admin-paper-dec",
                                                  "admin-paper-closed-bottom",
-                                                 "admin-paper-dec", "admin-paper-max")]
+                                                 "admin-paper-max")]
     # the seeds of the factorial (Clinic profile + Adam and closed form + RAdam: the issue's
     # numbers stand for seed 1 until their rows are run at the end)
     + [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (2, 3) for s in _FACTORIAL]
