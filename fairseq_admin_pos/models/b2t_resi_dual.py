@@ -62,7 +62,7 @@ training monitor logs it as ``enc_dual_norm`` / ``dec_dual_norm``
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -89,21 +89,11 @@ class B2TEncoderLayer(AdminTransformerEncoderLayer):
 
     ``x`` ``(T, B, C)`` is the layer input, ``encoder_padding_mask`` ``(B, T)`` True at pads;
     returns ``y`` ``(T, B, C)`` (and fairseq's ``fc_result`` with ``return_fc``). The
-    sub-layer shortcuts ``h + f`` are the residual modules (omega = 1).
+    sub-layer shortcuts ``h + f`` are the residual modules (omega = 1); the forward is the
+    Post-LN layer's with its ``bottom_to_top`` term on.
     """
 
-    def forward(self, x, encoder_padding_mask: Optional[Tensor],
-                attn_mask: Optional[Tensor] = None):
-        attn_mask = self._attention_mask(attn_mask, x)
-        bottom = x
-        x = self.self_attn_residual(x, self._self_attn_branch(x, encoder_padding_mask, attn_mask))
-        x = self.self_attn_layer_norm(x)
-        f, fc_result = self._ffn_branch(x)
-        # the B2T term: the layer input, skipping both sub-layers, into the last LN
-        x = self.final_layer_norm(self.final_residual(x, f) + bottom)
-        if self.return_fc and not torch.jit.is_scripting():
-            return x, fc_result
-        return x
+    bottom_to_top = True
 
 
 class B2TDecoderLayer(AdminTransformerDecoderLayer):
@@ -118,48 +108,12 @@ class B2TDecoderLayer(AdminTransformerDecoderLayer):
     fairseq's ``(y, attn, None)``.
     """
 
-    def forward(
-        self,
-        x,
-        encoder_out: Optional[torch.Tensor] = None,
-        encoder_padding_mask: Optional[torch.Tensor] = None,
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-        prev_self_attn_state: Optional[List[torch.Tensor]] = None,
-        prev_attn_state: Optional[List[torch.Tensor]] = None,
-        self_attn_mask: Optional[torch.Tensor] = None,
-        self_attn_padding_mask: Optional[torch.Tensor] = None,
-        need_attn: bool = False,
-        need_head_weights: bool = False,
-    ):
-        if need_head_weights:
-            need_attn = True
-        bottom = x
-        f, attn = self._self_attn_branch(
-            x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
-            self_attn_mask, self_attn_padding_mask,
-        )
-        x = self.self_attn_layer_norm(self.self_attn_residual(x, f))
-        if self.encoder_attn is not None and encoder_out is not None:
-            f, attn = self._encoder_attn_branch(
-                x, encoder_out, encoder_padding_mask, incremental_state, prev_attn_state,
-                need_attn, need_head_weights,
-            )
-            x = self.encoder_attn_layer_norm(self.encoder_attn_residual(x, f))
-        f = self._ffn_branch(x)
-        residual = x if self.w_resid is None else torch.mul(self.w_resid, x)
-        # the B2T term: the layer input, skipping every sub-layer, into the last LN
-        x = self.final_layer_norm(self.final_residual(residual, f) + bottom)
-        return self._layer_output(x, attn, incremental_state, self_attn_padding_mask)
+    bottom_to_top = True
 
 
 # --------------------------------------------------------------------------------------- #
 # ResiDual
 # --------------------------------------------------------------------------------------- #
-def _add_to_dual(dual: Tensor, f: Tensor) -> Tensor:
-    # d + f in d's dtype (float32): a low-precision f is widened inside the add, no copy
-    return torch.add(dual, f)
-
-
 class ResiDualEncoderLayer(AdminTransformerEncoderLayer):
     r"""ResiDual encoder layer (Xie et al. 2023): two Post-LN sub-layers that also add their
     branch outputs to the dual stream ``d``::
@@ -169,22 +123,15 @@ class ResiDualEncoderLayer(AdminTransformerEncoderLayer):
         d' = d + f1 + f2
 
     Called as ``layer(x, encoder_padding_mask, dual=d)`` with ``x`` ``(T, B, C)`` and ``d``
-    ``(T, B, C)`` float32; returns the flat tuple ``(y, d')`` (``(y, d', fc_result)`` with
-    ``return_fc``), which fairseq's ``--checkpoint-activations`` wrapper passes through.
+    ``(T, B, C)`` float32 (the Post-LN layer's forward with its ``dual`` keyword); returns
+    the flat tuple ``(y, d')`` (``(y, d', fc_result)`` with ``return_fc``), which fairseq's
+    ``--checkpoint-activations`` wrapper passes through.
     """
 
     def forward(self, x, encoder_padding_mask: Optional[Tensor],
                 attn_mask: Optional[Tensor] = None, *, dual: Tensor):
-        attn_mask = self._attention_mask(attn_mask, x)
-        f = self._self_attn_branch(x, encoder_padding_mask, attn_mask)
-        dual = _add_to_dual(dual, f)
-        x = self.self_attn_layer_norm(self.self_attn_residual(x, f))
-        f, fc_result = self._ffn_branch(x)
-        dual = _add_to_dual(dual, f)
-        x = self.final_layer_norm(self.final_residual(x, f))
-        if self.return_fc and not torch.jit.is_scripting():
-            return x, dual, fc_result
-        return x, dual
+        # the dual stream is required here (optional in the base layer)
+        return super().forward(x, encoder_padding_mask, attn_mask, dual=dual)
 
 
 class ResiDualDecoderLayer(AdminTransformerDecoderLayer):
@@ -197,45 +144,13 @@ class ResiDualDecoderLayer(AdminTransformerDecoderLayer):
         d' = d + f1 + f2 + f3
 
     Called like fairseq's decoder layer plus ``dual=d`` (``(T_tgt, B, C)`` float32; one step
-    when decoding incrementally); returns ``(y, attn, None, d')``.
+    when decoding incrementally; the Post-LN layer's forward with its ``dual`` keyword);
+    returns ``(y, attn, None, d')``.
     """
 
-    def forward(
-        self,
-        x,
-        encoder_out: Optional[torch.Tensor] = None,
-        encoder_padding_mask: Optional[torch.Tensor] = None,
-        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-        prev_self_attn_state: Optional[List[torch.Tensor]] = None,
-        prev_attn_state: Optional[List[torch.Tensor]] = None,
-        self_attn_mask: Optional[torch.Tensor] = None,
-        self_attn_padding_mask: Optional[torch.Tensor] = None,
-        need_attn: bool = False,
-        need_head_weights: bool = False,
-        *,
-        dual: Tensor,
-    ):
-        if need_head_weights:
-            need_attn = True
-        f, attn = self._self_attn_branch(
-            x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
-            self_attn_mask, self_attn_padding_mask,
-        )
-        dual = _add_to_dual(dual, f)
-        x = self.self_attn_layer_norm(self.self_attn_residual(x, f))
-        if self.encoder_attn is not None and encoder_out is not None:
-            f, attn = self._encoder_attn_branch(
-                x, encoder_out, encoder_padding_mask, incremental_state, prev_attn_state,
-                need_attn, need_head_weights,
-            )
-            dual = _add_to_dual(dual, f)
-            x = self.encoder_attn_layer_norm(self.encoder_attn_residual(x, f))
-        f = self._ffn_branch(x)
-        dual = _add_to_dual(dual, f)
-        residual = x if self.w_resid is None else torch.mul(self.w_resid, x)
-        x = self.final_layer_norm(self.final_residual(residual, f))
-        x, attn, state = self._layer_output(x, attn, incremental_state, self_attn_padding_mask)
-        return x, attn, state, dual
+    def forward(self, x, *args, dual: Tensor, **kwargs):
+        # the dual stream is required here (optional in the base layer)
+        return super().forward(x, *args, dual=dual, **kwargs)
 
 
 class Float32LayerNorm(nn.LayerNorm):

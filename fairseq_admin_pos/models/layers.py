@@ -20,9 +20,11 @@ without LayerNorm also builds the layers with ``sublayer_layer_norm=False``.
 
 Each sub-layer's branch ``dropout(f(x))`` is a method of its own (``_self_attn_branch``,
 ``_encoder_attn_branch``, ``_ffn_branch``), and each stack runs its layers in
-``forward_layers``: the schemes that change how a layer or a stack combines the branches
-(B2T's bottom-to-top term, ResiDual's dual stream, :mod:`fairseq_admin_pos.models.b2t_resi_dual`)
-reuse fairseq's branch computation instead of copying it.
+``forward_layers``. The two schemes that change how a layer combines the branches
+(:mod:`fairseq_admin_pos.models.b2t_resi_dual`) are two switches of the one layer forward
+here, off for every other scheme: ``bottom_to_top`` (B2T: the layer input added into the sum
+that the layer's last LayerNorm normalises) and the keyword ``dual`` (ResiDual: every branch
+output also added to a float32 dual stream, returned after the layer's usual outputs).
 
 The stacks (:class:`HostSyncFreeEncoderBase`, :class:`HostSyncFreeDecoderBase`) are fairseq's
 encoder and decoder without the two places where fairseq reads a tensor back to the host in
@@ -61,6 +63,12 @@ def _drop_sublayer_layer_norms(layer: nn.Module) -> None:
             setattr(layer, name, nn.Identity())
 
 
+def _add_to_dual(dual: Optional[Tensor], f: Tensor) -> Optional[Tensor]:
+    # ResiDual's d + f, in d's dtype (float32: a low-precision f is widened inside the add,
+    # no copy); no dual stream (every other scheme): nothing to add
+    return None if dual is None else torch.add(dual, f)
+
+
 class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
     """fairseq encoder layer with a residual module per sub-layer.
 
@@ -84,18 +92,29 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
         if not sublayer_layer_norm:
             _drop_sublayer_layer_norms(self)
 
+    #: B2T's bottom-to-top term (:mod:`fairseq_admin_pos.models.b2t_resi_dual`): the layer
+    #: input added into the sum that the last LayerNorm normalises
+    bottom_to_top: bool = False
+
     def forward(
         self,
         x,
         encoder_padding_mask: Optional[Tensor],
         attn_mask: Optional[Tensor] = None,
+        *,
+        dual: Optional[Tensor] = None,
     ):
+        """Returns ``x`` (``(x, fc_result)`` with ``return_fc``); given ResiDual's dual
+        stream ``dual`` (float32 ``(T, B, C)``), each branch output is also added to it and
+        the updated ``dual`` follows ``x`` in a flat tuple."""
         attn_mask = self._attention_mask(attn_mask, x)
+        bottom = x
 
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
         x = self._self_attn_branch(x, encoder_padding_mask, attn_mask)
+        dual = _add_to_dual(dual, x)
         x = self.self_attn_residual(residual, x)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
@@ -104,13 +123,17 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
         if self.normalize_before:
             x = self.final_layer_norm(x)
         x, fc_result = self._ffn_branch(x)
+        dual = _add_to_dual(dual, x)
         x = self.final_residual(residual, x)
+        if self.bottom_to_top:
+            x = x + bottom
         if not self.normalize_before:
             x = self.final_layer_norm(x)
 
+        out = (x,) if dual is None else (x, dual)
         if self.return_fc and not torch.jit.is_scripting():
-            return x, fc_result
-        return x
+            return out + (fc_result,)
+        return out[0] if dual is None else out
 
     # -- the branches f(x), shared with the layers of other schemes (b2t_resi_dual.py) ----
     @staticmethod
@@ -155,6 +178,9 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
     Shapes: ``x`` is ``(T_tgt, B, C)``, ``encoder_out`` ``(T_src, B, C_enc)``.
     """
 
+    #: B2T's bottom-to-top term, as in the encoder layer
+    bottom_to_top: bool = False
+
     def __init__(
         self,
         cfg,
@@ -190,9 +216,15 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
         self_attn_padding_mask: Optional[torch.Tensor] = None,
         need_attn: bool = False,
         need_head_weights: bool = False,
+        *,
+        dual: Optional[Tensor] = None,
     ):
+        """fairseq's ``(x, attn, self_attn_state)``; given ResiDual's dual stream ``dual``
+        (float32 ``(T_tgt, B, C)``), each branch output is also added to it and the updated
+        ``dual`` is returned fourth."""
         if need_head_weights:
             need_attn = True
+        bottom = x
 
         # --- masked self-attention -------------------------------------------------
         residual = x
@@ -202,6 +234,7 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
             x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
             self_attn_mask, self_attn_padding_mask,
         )
+        dual = _add_to_dual(dual, x)
         x = self.self_attn_residual(residual, x)
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
@@ -215,6 +248,7 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
                 x, encoder_out, encoder_padding_mask, incremental_state, prev_attn_state,
                 need_attn, need_head_weights,
             )
+            dual = _add_to_dual(dual, x)
             x = self.encoder_attn_residual(residual, x)
             if not self.normalize_before:
                 x = self.encoder_attn_layer_norm(x)
@@ -224,13 +258,17 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
         if self.normalize_before:
             x = self.final_layer_norm(x)
         x = self._ffn_branch(x)
+        dual = _add_to_dual(dual, x)
         if self.w_resid is not None:  # NormFormer's learned residual weight
             residual = torch.mul(self.w_resid, residual)
         x = self.final_residual(residual, x)
+        if self.bottom_to_top:
+            x = x + bottom
         if not self.normalize_before:
             x = self.final_layer_norm(x)
 
-        return self._layer_output(x, attn, incremental_state, self_attn_padding_mask)
+        out = self._layer_output(x, attn, incremental_state, self_attn_padding_mask)
+        return out if dual is None else out + (dual,)
 
     # -- the branches f(x), shared with the layers of other schemes (b2t_resi_dual.py) ----
     def _self_attn_branch(
