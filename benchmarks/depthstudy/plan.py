@@ -158,9 +158,11 @@ PLANS["admin-causes"] = (
 PLANS["admin-schedule"] = [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (1, 2)
                            for s in ("admin-paper", "admin")]
 PLANS["rivals"] = (
+    # the deep encoder first, then the 6L-6L column (the one seed, half the time of a
+    # 12L-12L run), then 12L-12L
     [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("b2t", "resi-dual")]
-    + [(s, "12L-12L", 1, "sinusoidal") for s in ("b2t", "resi-dual")]
     + [(s, "6L-6L", 1, "sinusoidal") for s in ("b2t", "resi-dual")]
+    + [(s, "12L-12L", 1, "sinusoidal") for s in ("b2t", "resi-dual")]
     + [(s, d, seed, "sinusoidal") for seed in (2, 3) for d in (_DEEP_ENC, "12L-12L")
        for s in ("b2t", "resi-dual")]
 )
