@@ -130,10 +130,10 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
         if not self.normalize_before:
             x = self.final_layer_norm(x)
 
-        out = (x,) if dual is None else (x, dual)
-        if self.return_fc and not torch.jit.is_scripting():
-            return out + (fc_result,)
-        return out[0] if dual is None else out
+        return_fc = self.return_fc and not torch.jit.is_scripting()
+        if dual is None:
+            return (x, fc_result) if return_fc else x
+        return (x, dual, fc_result) if return_fc else (x, dual)
 
     # -- the branches f(x), shared with the layers of other schemes (b2t_resi_dual.py) ----
     @staticmethod
