@@ -117,11 +117,13 @@ def _mean_spread(values, nd=2):
     xs = [v for v in (_num(v) for v in values) if v is not None]
     if not xs:
         return "-"
+    # + 0.0 after rounding: a source gain of -0.00001 is printed 0.000, not -0.000
+    f = lambda x: f"{round(x, nd) + 0.0:.{nd}f}"  # noqa: E731
     mean = sum(xs) / len(xs)
     if len(xs) == 1:
-        return f"{mean:.{nd}f}"
+        return f(mean)
     std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
-    return f"{mean:.{nd}f} +- {std:.{nd}f} ({min(xs):.{nd}f}-{max(xs):.{nd}f})"
+    return f"{f(mean)} +- {f(std)} ({f(min(xs))}-{f(max(xs))})"
 
 
 def recipe_label(r) -> str:
