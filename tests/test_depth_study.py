@@ -129,6 +129,16 @@ def test_summary_gives_mean_and_sample_std_over_seeds(grid):
         assert expected in line
 
 
+@pytest.mark.parametrize("values,expected", [
+    (["-0.00001", "0.00002"], "0.000 +- 0.000 (0.000-0.000)"),  # a source gain of a failed run
+    (["-0.00004"], "0.000"),
+    (["1.5", "2.5", "x", ""], "2.000 +- 0.707 (1.500-2.500)"),  # non-numbers are skipped
+])
+def test_summary_cell_prints_no_negative_zero(depth_study_module, values, expected):
+    from depthstudy.report import _mean_spread
+    assert _mean_spread(values, 3) == expected
+
+
 def test_publish_fills_the_table_block_and_keeps_the_curves(grid):
     docs = grid["docs"]
     page = (docs / "results.md").read_text()
