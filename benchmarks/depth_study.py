@@ -169,6 +169,10 @@ def build_parser():
                    help="inverse_sqrt warmup updates (default: the preset's; d64 uses 100 so "
                         "the lr peaks within its 200-update budget)")
     p.add_argument("--max-tokens", type=int, default=None, help="default: the preset's")
+    p.add_argument("--clip-norm", type=float, default=0.0,
+                   help="fairseq --clip-norm of every run (0: no clipping, the demo recipe; "
+                        "B2T's authors clip at 0.1 beyond 18 layers). A non-zero value is "
+                        "part of the run's key and its label in the table")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time (each with --threads torch threads)")
     p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece vocabulary")
@@ -236,6 +240,8 @@ def main(argv=None):
         parser.error(f"--seeds: {args.seeds!r} is not a comma list of integers")
     if args.max_update < 1 or args.threads < 1 or args.jobs < 1:
         parser.error("--max-update, --threads and --jobs must be >= 1")
+    if args.clip_norm < 0:
+        parser.error(f"--clip-norm: {args.clip_norm:g} is negative; 0 turns clipping off")
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "results.csv"

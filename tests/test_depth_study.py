@@ -7,6 +7,7 @@ import math
 import re
 import statistics
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import sacrebleu
@@ -213,3 +214,26 @@ def test_demo_scale_plan_is_the_issues_grid_once_each(depth_study_module):
                  for p in ("sinusoidal", "scaled-sinusoidal", "learned", "scaled-sinusoidal-seed")}
     assert len(plan) == len(set(plan)) == 39
     assert set(plan) == expected
+
+
+def test_clip_norm_reaches_fairseq_and_labels_the_row(tmp_path):
+    # issue 21: B2T's authors clip gradients at 0.1 beyond 18 layers. fairseq's own log says
+    # whether it clipped ("clip": the percentage of updates whose norm exceeded the bound)
+    write_fake_multi30k(tmp_path / "m30k")
+    out = tmp_path / "out"
+    study("--data", tmp_path / "m30k", "--out", out, "--schemes", "admin", "--seeds", "1",
+          *TINY, "--clip-norm", "0.01")
+    with open(out / "results.csv", newline="") as fh:
+        (row,) = list(csv.DictReader(fh))
+    assert row["key"].endswith("|clip0.01") and row["clip_norm"] == "0.01"
+    assert "--clip-norm 0.01 " in row["train_command"]
+    log_text = (out / Path(row["curve_file"]).parent / "train.log").read_text()
+    logged = [json.loads(line.split("| train_inner | ", 1)[1])
+              for line in log_text.splitlines() if "| train_inner | " in line]
+    assert logged and all(float(p["gnorm"]) > 0.01 and float(p["clip"]) == 100.0 for p in logged)
+    assert "| admin (clip-norm 0.01) |" in (out / "results_table.md").read_text()
+
+
+def test_negative_clip_norm_is_an_error_naming_the_flag(tmp_path):
+    proc = study("--out", tmp_path, "--report-only", "--clip-norm", "-1", check=False)
+    assert proc.returncode == 2 and "--clip-norm" in proc.stderr

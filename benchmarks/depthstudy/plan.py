@@ -97,6 +97,8 @@ def run_key(scheme, depth, seed, args, positions: str = "sinusoidal") -> str:
         key += f"|do{args.dropout:g}"
     if args.vocab != 8000:
         key += f"|v{args.vocab}"
+    if args.clip_norm:
+        key += f"|clip{args.clip_norm:g}"
     return key if positions == "sinusoidal" else f"{key}|pos-{positions}"
 
 

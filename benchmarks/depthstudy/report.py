@@ -27,6 +27,8 @@ CSV_FIELDS = [
     # norms, and whether the decoder uses the source (depthstudy.probe)
     "init_omegas", "final_omegas", "gnorms", "probe_valid_nll", "valid_nll_other_source",
     "source_gain",
+    # fairseq --clip-norm (rows written before this column: 0, the demo recipe's)
+    "clip_norm",
 ]
 
 
@@ -128,13 +130,18 @@ def _mean_spread(values, nd=2):
 
 def recipe_label(r) -> str:
     """The row's scheme, with its learning rate and warmup when they are not its study's
-    preset (issue 22's schedule rows must not be averaged with the preset's)."""
+    preset and its gradient clipping when it has any (issue 22's schedule rows and issue
+    21's clipped rows must not be averaged with the preset's)."""
+    changed = []
     for preset in PRESETS.values():
         if (str(preset["embed_dim"]), str(preset["max_update"])) == (r["embed_dim"],
                                                                      r["max_update"]):
             if (f"{preset['lr']:g}", str(preset["warmup"])) != (r["lr"], r["warmup"]):
-                return f"{r['scheme']} (lr {r['lr']}, warmup {r['warmup']})"
-    return r["scheme"]
+                changed.append(f"lr {r['lr']}, warmup {r['warmup']}")
+            break
+    if float(r.get("clip_norm") or 0.0):
+        changed.append(f"clip-norm {r['clip_norm']}")
+    return f"{r['scheme']} ({', '.join(changed)})" if changed else r["scheme"]
 
 
 def summary_lines(rows):
