@@ -140,6 +140,17 @@ def test_summary_cell_prints_no_negative_zero(depth_study_module, values, expect
     assert _mean_spread(values, 3) == expected
 
 
+def test_run_table_prints_no_negative_zero(depth_study_module, grid, tmp_path):
+    # the per-run table shows the CSV's source gain to 4 decimals: a failed run's -0.00001
+    # (written "-0.0000") is shown as 0.0000
+    rows = depth_study_module.read_rows(grid["out"] / "results.csv")
+    rows[0]["source_gain"] = "-0.0000"
+    depth_study_module.write_table(rows, tmp_path / "table.md", [])
+    cells = [line.split(" | ")[11] for line in (tmp_path / "table.md").read_text().splitlines()
+             if line.startswith("| 1 | ")]
+    assert cells == ["0.0000"]
+
+
 def test_publish_fills_the_table_block_and_keeps_the_curves(grid):
     docs = grid["docs"]
     page = (docs / "results.md").read_text()

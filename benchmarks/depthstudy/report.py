@@ -209,7 +209,7 @@ def write_table(rows, path: Path, planned=()) -> None:
                 f"| {n} | {r['depth']} | {r['positions']} | {recipe_label(r)} | {r['seed']} | "
                 f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
                 f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
-                f"{r['distinct_hyps'] or '-'} | {r['source_gain'] or '-'} | "
+                f"{r['distinct_hyps'] or '-'} | {_mean_spread([r['source_gain']], 4)} | "
                 f"{_gnorm_cell(r['gnorms'])} | {shown} | {r['train_wall_s']} | "
                 f"{r['updates_per_s']} |"
             )
