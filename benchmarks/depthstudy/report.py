@@ -139,7 +139,7 @@ def recipe_label(r) -> str:
             if (f"{preset['lr']:g}", str(preset["warmup"])) != (r["lr"], r["warmup"]):
                 changed.append(f"lr {r['lr']}, warmup {r['warmup']}")
             break
-    if float(r.get("clip_norm") or 0.0):
+    if float(r["clip_norm"] or 0.0):
         changed.append(f"clip-norm {r['clip_norm']}")
     return f"{r['scheme']} ({', '.join(changed)})" if changed else r["scheme"]
 
