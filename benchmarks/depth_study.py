@@ -146,7 +146,8 @@ def build_parser():
                         "rows, plus the position variants at 12L-3L (2 seeds), most "
                         "informative runs first; admin-causes = issue 22's factorial (omega "
                         "source x optimizer) and omega variants; admin-schedule = admin-paper "
-                        "and admin at lr 1e-3 (2 seeds); rivals = issue 21's b2t and resi-dual "
+                        "and admin at lr 1e-3 (2 seeds); admin-warmup = the same at lr 1e-3, "
+                        "warmup 2000, 2400 updates; rivals = issue 21's b2t and resi-dual "
                         "(6L-6L, 12L-12L and " + _DEEP_ENC + ", 3 seeds at depth)")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "

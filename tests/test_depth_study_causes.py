@@ -162,6 +162,21 @@ def test_a_plans_recipe_sets_the_lr_and_an_explicit_flag_wins(module, tmp_path, 
     assert "| 24L-3L | sinusoidal | admin-paper (lr 0.001, warmup 400) | 1 |" in proc.stdout
 
 
+def test_the_warmup_plan_sets_lr_warmup_and_updates_and_labels_its_rows(module, tmp_path):
+    # one admin-warmup run done: its key has the plan's lr, warmup and updates, so 3 of 4 runs
+    # are missing; its schedule is not the demo's (the same model size), so the label names it
+    row = {"key": "admin|24L-3L|seed2|2400upd|d128|lr0.001|wu2000|mt4096",
+           "study": "d128-2400upd", "scheme": "admin", "positions": "sinusoidal",
+           "depth": "24L-3L", "seed": "2", "embed_dim": "128", "max_update": "2400",
+           "lr": "0.001", "warmup": "2000", "status": "trained", "bleu": "20.00",
+           "best_valid_nll": "4.000"}
+    module.append_row(tmp_path / "results.csv", row)
+    proc = study("--out", tmp_path, "--report-only", "--plan", "admin-warmup")
+    assert "Still missing from the plan (3 runs): admin-paper 24L-3L seed 1, admin 24L-3L " \
+           "seed 1, admin-paper 24L-3L seed 2." in proc.stdout
+    assert "| 24L-3L | sinusoidal | admin (lr 0.001, warmup 2000) | 2 |" in proc.stdout
+
+
 @pytest.mark.parametrize("scheme", ["admin-paper", "admin-paper-closed-bottom"])
 def test_probe_valid_nll_is_fairseqs_best_valid_nll(grid, scheme):
     r = grid["rows"][scheme]

@@ -92,6 +92,7 @@ POS_ORDER = {p: i for i, p in enumerate(POSITIONS)}
 STUDY_TITLES = {
     "d128-700upd": "Demo scale: d=128, 700 updates (the `make demo` recipe)",
     "d64-200upd": "The first study: d=64, 200 updates (issue 6)",
+    "d128-2400upd": "d=128, 2400 updates (issue 22's longer warmup, `--plan admin-warmup`)",
 }
 
 
@@ -129,16 +130,18 @@ def _mean_spread(values, nd=2):
 
 
 def recipe_label(r) -> str:
-    """The row's scheme, with its learning rate and warmup when they are not its study's
-    preset and its gradient clipping when it has any (issue 22's schedule rows and issue
-    21's clipped rows must not be averaged with the preset's)."""
+    """The row's scheme, with its learning rate and warmup when they are not those of its
+    study's preset (or of the preset of its model size) and its gradient clipping when it
+    has any (issue 22's schedule rows and issue 21's clipped rows must not be averaged with
+    the preset's)."""
     changed = []
-    for preset in PRESETS.values():
-        if (str(preset["embed_dim"]), str(preset["max_update"])) == (r["embed_dim"],
-                                                                     r["max_update"]):
-            if (f"{preset['lr']:g}", str(preset["warmup"])) != (r["lr"], r["warmup"]):
-                changed.append(f"lr {r['lr']}, warmup {r['warmup']}")
-            break
+    # the study's preset, else the preset of the same model size (issue 22's longer warmup,
+    # d=128 with 2400 updates, is compared with the demo's schedule)
+    same = [p for p in PRESETS.values() if str(p["embed_dim"]) == r["embed_dim"]]
+    preset = next((p for p in same if str(p["max_update"]) == r["max_update"]),
+                  same[0] if same else None)
+    if preset and (f"{preset['lr']:g}", str(preset["warmup"])) != (r["lr"], r["warmup"]):
+        changed.append(f"lr {r['lr']}, warmup {r['warmup']}")
     if float(r["clip_norm"] or 0.0):
         changed.append(f"clip-norm {r['clip_norm']}")
     return f"{r['scheme']} ({', '.join(changed)})" if changed else r["scheme"]
