@@ -26,3 +26,12 @@ def load_study_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def schedule_row(scheme: str, seed: int, max_update: int, lr: str, warmup: int) -> dict:
+    """A finished d=128 24L-3L row of the given schedule, as a plan's report reads it."""
+    return {"key": f"{scheme}|24L-3L|seed{seed}|{max_update}upd|d128|lr{lr}|wu{warmup}|mt4096",
+            "study": f"d128-{max_update}upd", "scheme": scheme, "positions": "sinusoidal",
+            "depth": "24L-3L", "seed": str(seed), "embed_dim": "128",
+            "max_update": str(max_update), "lr": lr, "warmup": str(warmup),
+            "status": "trained", "bleu": "20.00", "best_valid_nll": "4.000"}

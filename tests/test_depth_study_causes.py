@@ -10,7 +10,7 @@ import re
 import pytest
 
 from fairseq_cli_utils import load_model_state, run, write_fake_multi30k
-from study_utils import TINY, load_study_module, study
+from study_utils import TINY, load_study_module, schedule_row, study
 
 DEPTH = ["--depths", "2L-2L"]  # the decoder needs 4+ sub-layers for a "bottom quarter"
 VARIANTS = ("admin-paper-floor", "admin-paper-closed-bottom", "admin-paper-max",
@@ -151,12 +151,7 @@ def test_init_omegas_of_post_ln_are_not_recorded(module):
 def test_a_plans_recipe_sets_the_lr_and_an_explicit_flag_wins(module, tmp_path, extra, missing):
     # one admin-schedule run done at its lr 1e-3: with the plan's lr 3 of 4 runs are missing,
     # with another lr given on the command line all 4 are
-    row = {"key": "admin-paper|24L-3L|seed1|700upd|d128|lr0.001|wu400|mt4096",
-           "study": "d128-700upd", "scheme": "admin-paper", "positions": "sinusoidal",
-           "depth": "24L-3L", "seed": "1", "embed_dim": "128", "max_update": "700",
-           "lr": "0.001", "warmup": "400", "status": "trained", "bleu": "20.00",
-           "best_valid_nll": "4.000"}
-    module.append_row(tmp_path / "results.csv", row)
+    module.append_row(tmp_path / "results.csv", schedule_row("admin-paper", 1, 700, "0.001", 400))
     proc = study("--out", tmp_path, "--report-only", "--plan", "admin-schedule", *extra)
     assert f"Still missing from the plan ({missing} runs)" in proc.stdout
     assert "| 24L-3L | sinusoidal | admin-paper (lr 0.001, warmup 400) | 1 |" in proc.stdout
@@ -165,12 +160,7 @@ def test_a_plans_recipe_sets_the_lr_and_an_explicit_flag_wins(module, tmp_path, 
 def test_the_warmup_plan_sets_lr_warmup_and_updates_and_labels_its_rows(module, tmp_path):
     # one admin-warmup run done: its key has the plan's lr, warmup and updates, so 3 of 4 runs
     # are missing; its schedule is not the demo's (the same model size), so the label names it
-    row = {"key": "admin|24L-3L|seed2|2400upd|d128|lr0.001|wu2000|mt4096",
-           "study": "d128-2400upd", "scheme": "admin", "positions": "sinusoidal",
-           "depth": "24L-3L", "seed": "2", "embed_dim": "128", "max_update": "2400",
-           "lr": "0.001", "warmup": "2000", "status": "trained", "bleu": "20.00",
-           "best_valid_nll": "4.000"}
-    module.append_row(tmp_path / "results.csv", row)
+    module.append_row(tmp_path / "results.csv", schedule_row("admin", 2, 2400, "0.001", 2000))
     proc = study("--out", tmp_path, "--report-only", "--plan", "admin-warmup")
     assert "Still missing from the plan (3 runs): admin-paper 24L-3L seed 1, admin 24L-3L " \
            "seed 1, admin-paper 24L-3L seed 2." in proc.stdout
