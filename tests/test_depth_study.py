@@ -174,6 +174,17 @@ def test_figure_is_drawn_from_published_curves_when_the_runs_are_gone(grid, tmp_
     assert (out / "depth_study_loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("studies, expected", [
+    # issue 22's one warmup row (d128, 2400 updates) sorts before the demo grid's recipe
+    (["d128-700upd"] * 3 + ["d128-2400upd"], "d128-700upd"),
+    (["d64-200upd"] * 2 + ["d128-700upd"] * 2, "d128-700upd"),
+    (["d64-200upd"] * 3 + ["d128-700upd"] * 2, "d64-200upd"),
+])
+def test_the_loss_figure_shows_the_study_with_the_most_rows(depth_study_module, studies,
+                                                            expected):
+    assert depth_study_module.plotted_study([{"study": s} for s in studies]) == expected
+
+
 def test_a_second_call_runs_nothing(grid):
     proc = study("--data", grid["tmp"] / "m30k", "--out", grid["out"], "--schemes",
                  "post-ln,admin", "--seeds", "1,2", *TINY)

@@ -8,8 +8,21 @@ from .common import parse_depth
 from .omegas import closed_form
 from .report import _row_order, _study_order, curve_path, depth_order, recipe_label
 
+def plotted_study(rows) -> str:
+    """The study the loss figure shows: the one with the most rows, the newest on a tie.
+
+    A side study of a few runs (issue 22's 2400-update warmup rows) must not replace the main
+    grid's curves just because its recipe sorts first.
+    """
+    counts = {}
+    for r in rows:
+        counts[r["study"]] = counts.get(r["study"], 0) + 1
+    return min(counts, key=lambda s: (-counts[s], _study_order(s)))
+
+
 def write_plot(rows, out: Path, path: Path, published: Path) -> None:
-    """Loss curves of the newest study, one panel per depth (rows whose curve file is here)."""
+    """Loss curves of the main study (plotted_study), one panel per depth (rows whose curve
+    file is here)."""
     import logging
 
     import matplotlib
@@ -22,7 +35,7 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     rows = [r for r in rows if curve_path(out, r, published) is not None]
     if not rows:
         return
-    newest = min({r["study"] for r in rows}, key=_study_order)
+    newest = plotted_study(rows)
     groups = {}
     for r in rows:
         if r["study"] == newest:
