@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from .common import parse_depth
 from .omegas import closed_form
 from .report import _row_order, _study_order, curve_path, depth_order, recipe_label
+
 
 def plotted_study(rows) -> str:
     """The study the loss figure shows: the one with the most rows, the newest on a tie.
@@ -14,9 +16,7 @@ def plotted_study(rows) -> str:
     A side study of a few runs (issue 22's 2400-update warmup rows) must not replace the main
     grid's curves just because its recipe sorts first.
     """
-    counts = {}
-    for r in rows:
-        counts[r["study"]] = counts.get(r["study"], 0) + 1
+    counts = Counter(r["study"] for r in rows)
     return min(counts, key=lambda s: (-counts[s], _study_order(s)))
 
 
@@ -35,10 +35,10 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
     rows = [r for r in rows if curve_path(out, r, published) is not None]
     if not rows:
         return
-    newest = plotted_study(rows)
+    study = plotted_study(rows)
     groups = {}
     for r in rows:
-        if r["study"] == newest:
+        if r["study"] == study:
             groups.setdefault(r["depth"], []).append(r)
     keys = sorted(groups, key=depth_order)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.5), squeeze=False)
@@ -70,7 +70,7 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
             ent = float(r["unigram_entropy_bits"])
         if ent is not None:
             ax.axhline(ent, color="gray", lw=0.8, ls=":", label="unigram entropy")
-        ax.set_title(f"{k}, {newest}" + (" (Admin, position variants)" if by_pos else ""))
+        ax.set_title(f"{k}, {study}" + (" (Admin, position variants)" if by_pos else ""))
         ax.set_xlabel("update")
         ax.set_ylabel("nll (bits/token): train solid, valid dashed")
         ax.legend(fontsize=6)
