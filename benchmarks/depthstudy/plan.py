@@ -172,6 +172,6 @@ PLANS["rivals"] = (
 PLAN_RECIPES = {"admin-schedule": dict(lr=1e-3)}
 #: issue 22's longer warmup: the same pair at lr 1e-3 with 2000 warmup updates (five times the
 #: demo's; the papers use 8000 at 4.5M pairs) and 400 updates after it (the demo has 300), so
-#: a failure that starts when the warmup ends has room to show; about 2.3 h per run here
+#: a failure that starts when the warmup ends has room to show; about 2.5 h per run here
 PLANS["admin-warmup"] = list(PLANS["admin-schedule"])
 PLAN_RECIPES["admin-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
