@@ -12,8 +12,8 @@
 # admin-closed-form: admin-torch's closed-form Admin with Adam.
 #
 # In this package's CPU-scale depth study the paper's Admin failed at 24L-3L (lr 2e-3, 400
-# warmup, 700 updates) where the closed form trained, and trained as well as the closed form
-# with 2000 warmup updates at lr 1e-3 (one seed each): README.md of this folder.
+# warmup, 700 updates) where the closed form trained, and trained nearly as well as the
+# closed form with 2000 warmup updates at lr 1e-3 (two seeds each): README.md of this folder.
 #
 # Published recipe (Liu et al. 2020; Transformer-Clinic nmt-experiments/iwslt14_de-en.md):
 # 1 GPU x 4096 tokens x update-freq 1, lr 7e-4, inverse_sqrt with 6000 warmup updates from

@@ -14,8 +14,8 @@
 # (--admin-init closed-form --admin-omega parameter) with Adam, as admin-torch trains it.
 #
 # In this package's CPU-scale depth study the paper's Admin failed at 24L-3L (lr 2e-3, 400
-# warmup, 700 updates) where the closed form trained, and trained as well as the closed form
-# with 2000 warmup updates at lr 1e-3 (one seed each): README.md of this folder.
+# warmup, 700 updates) where the closed form trained, and trained nearly as well as the
+# closed form with 2000 warmup updates at lr 1e-3 (two seeds each): README.md of this folder.
 #
 # Published recipe (Liu et al. 2020; Transformer-Clinic nmt-experiments/wmt14_en-de.md):
 # 4 GPUs x 8192 tokens x update-freq 1 = 32768 tokens per update, lr 1e-3, inverse_sqrt with

@@ -12,8 +12,8 @@
 # admin-closed-form: admin-torch's closed-form Admin with Adam.
 #
 # In this package's CPU-scale depth study the paper's Admin failed at 24L-3L (lr 2e-3, 400
-# warmup, 700 updates) where the closed form trained, and trained as well as the closed form
-# with 2000 warmup updates at lr 1e-3 (one seed each): README.md of this folder.
+# warmup, 700 updates) where the closed form trained, and trained nearly as well as the
+# closed form with 2000 warmup updates at lr 1e-3 (two seeds each): README.md of this folder.
 #
 # Published recipe (Liu et al. 2020; Liu, Liu & Gao 2020 for 60L-12L; Transformer-Clinic
 # nmt-experiments/wmt14_en-fr.md): lr 7e-4, inverse_sqrt with 8000 warmup updates from 1e-7,
