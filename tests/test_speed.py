@@ -57,15 +57,22 @@ def _old_rezero_forward(self, x, f_x):
     return _ShortcutSum.apply(f_x, x, self.alpha.to(f_x.dtype))
 
 
-def _run(data, extra, monkeypatch, old: bool):
+def _run(data, extra, monkeypatch, old: bool, precision=None):
     with monkeypatch.context() as m:
         if old:
             m.setattr(speed_trainer, "accelerate", lambda trainer: None)
             m.setattr(Float32OmegaResidual, "forward_omega", _old_forward_omega)
             m.setattr(ReZeroResidual, "forward", _old_rezero_forward)
-        trainer = build_trainer(data, TINY_MODEL + list(extra))
+        if precision == "fp16-flat":
+            # fairseq puts the flat master copy on torch.cuda.current_device() and matches it
+            # to p.device.index: None on a CPU-only machine (as in test_precision.py)
+            m.setattr(torch.cuda, "current_device", lambda: None)
+        trainer = build_trainer(data, TINY_MODEL + list(extra), precision=precision)
         fast = type(trainer.optimizer.optimizer) is speed_trainer.ForeachAdam
         assert fast is not old
+        if precision is not None:
+            copies = "_sync_fp16_grads_to_fp32" in trainer.optimizer.__dict__
+            assert copies is not old
         itr = trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)
         batches = list(itr)
         logged = []
@@ -101,6 +108,21 @@ def test_twenty_updates_are_bitwise_the_previous_step(tiny_data, monkeypatch, sc
             atol = 1e-4 if k.endswith("k_proj.bias") else REORDERED_WEIGHT_ATOL
             torch.testing.assert_close(new[1][k], old[1][k], rtol=REORDERED_RTOL, atol=atol)
     assert len({row["loss"] for row in new[0]}) > 1  # it trained
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-flat", "bf16"])
+@pytest.mark.parametrize("scheme", ["admin-parameter", "admin-buffer", "resi-dual"])
+def test_low_precision_updates_are_bitwise_the_previous_step(tiny_data, monkeypatch, scheme,
+                                                             precision):
+    """FP16Optimizer's master copy (flat for --fp16, per parameter for --bf16 and
+    --fp16-no-flatten-grads): the multi-tensor copies and Adam give fairseq's numbers."""
+    extra = SCHEMES[scheme] + ["--clip-norm", "0.1", "--adam-betas", "(0.9, 0.98)"]
+    new = _run(tiny_data, extra, monkeypatch, old=False, precision=precision)
+    old = _run(tiny_data, extra, monkeypatch, old=True, precision=precision)
+    assert new[0] == old[0]
+    for k in new[1]:
+        assert torch.equal(new[1][k], old[1][k]), k
+    assert len({row["loss"] for row in new[0]}) > 1
 
 
 def test_foreach_adam_matches_fairseq_adam_with_uneven_steps():

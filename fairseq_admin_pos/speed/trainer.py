@@ -13,11 +13,13 @@ adjusted in place, before it holds any state:
   the ``FairseqAdam`` wrapper, its flags and its name in the checkpoint stay fairseq's.
   (``--optimizer radam`` is ``torch.optim.RAdam``, which takes its multi-tensor path by
   itself on a GPU.)
-* ``FairseqOptimizer.clip_grad_norm`` (fp32 training; the FP16 optimizers clip their flat
-  master gradient, one tensor) becomes one multi-tensor norm over the gradients plus
-  fairseq's total and clip coefficient; the per-parameter norms are kept on the optimizer
-  (:func:`take_grad_norms`) for the training monitor, which would otherwise compute every
-  gradient's norm a second time for its per-stack norms.
+* ``FairseqOptimizer.clip_grad_norm`` (fp32 training, and the float32 master optimizer of
+  ``--fp16``/``--bf16``) becomes one multi-tensor norm over the gradients plus fairseq's
+  total and clip coefficient; in fp32 training the per-parameter norms are kept on the
+  optimizer (:func:`take_grad_norms`) for the training monitor, which would otherwise
+  compute every gradient's norm a second time for its per-stack norms;
+* ``FP16Optimizer``'s copies between the half-precision model and its float32 master copy
+  are multi-tensor copies (:mod:`.fp16`).
 
 A stock ``transformer`` trained in the same process (``speed_vs_stock.py``) keeps fairseq's
 code untouched. Nothing here reads a device value on the host.
@@ -37,7 +39,7 @@ from fairseq.optim.adam import FairseqAdam
 from fairseq.trainer import Trainer
 
 from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
-from fairseq_admin_pos.speed import foreach
+from fairseq_admin_pos.speed import foreach, fp16
 
 _NORMS = "_admin_grad_norms"
 
@@ -102,9 +104,11 @@ class ForeachAdam(FairseqTorchAdam):
         return True
 
 
-def _fast_clip_grad_norm(self: FairseqOptimizer, max_norm, aggregate_norm_fn=None):
+def _fast_clip_grad_norm(self: FairseqOptimizer, max_norm, aggregate_norm_fn=None, *,
+                         keep_norms: bool = True):
     """``FairseqOptimizer.clip_grad_norm`` (``utils.clip_grad_norm_`` on ``self.params``) with
-    one multi-tensor norm; the per-parameter norms are kept for :func:`take_grad_norms`."""
+    one multi-tensor norm; the per-parameter norms are kept for :func:`take_grad_norms`
+    when ``keep_norms`` (the trainer's own optimizer, which the monitor reads)."""
     params = [p for p in self.params if getattr(p, "grad", None) is not None]
     regular = [p for p in params if not hasattr(p, "expert")]
     # the gradients themselves (fairseq detaches each one: an operation per parameter);
@@ -112,7 +116,8 @@ def _fast_clip_grad_norm(self: FairseqOptimizer, max_norm, aggregate_norm_fn=Non
     grads = [p.grad for p in regular]
     experts = [p.grad for p in params if hasattr(p, "expert")]
     if not grads:
-        setattr(self, _NORMS, ([], []))
+        if keep_norms:
+            setattr(self, _NORMS, ([], []))
         all_params = list(self.params)
         return all_params[0].new_tensor(0.0) if all_params else torch.tensor(0.0)
     with torch.no_grad():
@@ -120,7 +125,8 @@ def _fast_clip_grad_norm(self: FairseqOptimizer, max_norm, aggregate_norm_fn=Non
     if aggregate_norm_fn is not None:
         total = aggregate_norm_fn(total)
     foreach.clip_grads_(grads + experts, total, max_norm)
-    setattr(self, _NORMS, (regular, norms))
+    if keep_norms:
+        setattr(self, _NORMS, (regular, norms))
     return total
 
 
@@ -144,9 +150,10 @@ def take_grad_norms(optimizer) -> Optional[Dict[int, Tensor]]:
 
 
 def _plain_optimizer(optimizer) -> Optional[FairseqOptimizer]:
-    # the fp32 path: the trainer's optimizer is the FairseqOptimizer itself
-    if isinstance(optimizer, FairseqOptimizer) and \
-            optimizer.__dict__.get("clip_grad_norm") is not None:
+    # the fp32 path: the trainer's optimizer is the FairseqOptimizer itself, clipping fast
+    clip = optimizer.__dict__.get("clip_grad_norm") if isinstance(optimizer, FairseqOptimizer) \
+        else None
+    if isinstance(clip, functools.partial) and clip.keywords.get("keep_norms"):
         return optimizer
     return None
 
@@ -164,8 +171,9 @@ def _fairseq_optimizers(optimizer) -> List[FairseqOptimizer]:
 
 
 def accelerate(trainer: Trainer) -> None:
-    """Swap in the multi-tensor Adam and clipping for this trainer's optimizer (module
-    docstring); only for ``AdminTransformerModel`` trainers, only before any state exists."""
+    """Swap in the multi-tensor Adam, clipping and FP16 copies for this trainer's optimizer
+    (module docstring); only for ``AdminTransformerModel`` trainers, only before any state
+    exists."""
     if not isinstance(trainer.get_model(), AdminTransformerModel):
         return
     outer = trainer._optimizer
@@ -173,9 +181,12 @@ def accelerate(trainer: Trainer) -> None:
         inner = getattr(opt, "_optimizer", None)
         if isinstance(opt, FairseqAdam) and type(inner) is FairseqTorchAdam and not inner.state:
             opt._optimizer = ForeachAdam(inner.param_groups, **opt.optimizer_config)
-    if isinstance(outer, FairseqOptimizer) and \
-            type(outer).clip_grad_norm is FairseqOptimizer.clip_grad_norm:
-        outer.clip_grad_norm = functools.partial(_fast_clip_grad_norm, outer)
+        if type(opt).clip_grad_norm is FairseqOptimizer.clip_grad_norm:
+            # the trainer's own optimizer keeps its norms for the monitor; the float32
+            # optimizer inside FP16Optimizer clips its master copy, which nobody reads
+            opt.clip_grad_norm = functools.partial(_fast_clip_grad_norm, opt,
+                                                   keep_norms=opt is outer)
+    fp16.accelerate(outer)
 
 
 def _wrap_build_optimizer(build_optimizer):
