@@ -5,6 +5,8 @@ MULTI30K ?= ../shared/data/multi30k
 DEMO_OUT ?= demo_out
 # the residual scheme the demo trains: admin, post-ln, pre-ln, admin-paper, deepnorm
 SCHEME ?= admin
+# where the demo trains and translates: auto (the GPU when torch sees one), cpu or cuda
+DEVICE ?= auto
 
 .PHONY: install test demo
 
@@ -18,4 +20,4 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=15 tests
 
 demo: install
-	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME)
+	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME) --device $(DEVICE)
