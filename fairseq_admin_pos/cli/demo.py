@@ -72,10 +72,17 @@ def log(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def bin_path(tool: str) -> str:
-    # the console scripts live next to the interpreter running us (the project's venv)
-    candidate = Path(sys.executable).parent / tool
-    return str(candidate) if candidate.exists() else tool
+def tool(name: str) -> List[str]:
+    """The command of a fairseq tool (``fairseq-train``, ...): the console script next to
+    the interpreter running us (the project's venv), else the one on PATH, else
+    ``python -m fairseq_cli.<tool>`` with this interpreter (a Python whose fairseq has no
+    console scripts on PATH, e.g. on a GPU machine without the venv)."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return [str(candidate)]
+    if shutil.which(name):
+        return [name]
+    return [sys.executable, "-m", "fairseq_cli." + name.split("-", 1)[1].replace("-", "_")]
 
 
 def run(cmd: Sequence[str], log_file: Path = None) -> None:
@@ -181,7 +188,7 @@ def preprocess(spm_dir: Path, out: Path) -> Path:
         return dest
     if dest.exists():
         shutil.rmtree(dest)  # half-written by an interrupted run
-    run([bin_path("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
+    run([*tool("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
          "--trainpref", spm_dir / "train", "--validpref", spm_dir / "valid",
          "--testpref", spm_dir / "test", "--destdir", dest, "--joined-dictionary",
          "--workers", "2"])
@@ -243,7 +250,7 @@ def train_command(args, data_bin: Path, save_dir: Path, device: str = "cpu") -> 
     # a scheme may bring its own optimizer (admin-paper: RAdam, as Transformer-Clinic)
     optimizer = [] if "--optimizer" in scheme else ["--optimizer", "adam"]
     return [
-        bin_path("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
+        *tool("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
         "--arch", "admin_transformer", *device_flags(device), "--seed", str(args.seed),
         "--encoder-layers", str(args.encoder_layers), "--decoder-layers", str(args.decoder_layers),
         "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
@@ -322,7 +329,7 @@ def last_valid_nll(log_file: Path) -> float:
 
 
 def generate_command(data_bin: Path, ckpt: Path, device: str = "cpu") -> List[str]:
-    return [bin_path("fairseq-generate"), data_bin, "--user-dir", PKG_DIR, "--path", ckpt,
+    return [*tool("fairseq-generate"), data_bin, "--user-dir", PKG_DIR, "--path", ckpt,
             "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--batch-size", "64",
             # Multi30k targets are at most ~1.2x the source; fairseq's default 200 tokens would
             # let an undertrained model babble for minutes
