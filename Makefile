@@ -8,7 +8,12 @@ SCHEME ?= admin
 # where the demo trains and translates: auto (the GPU when torch sees one), cpu or cuda
 DEVICE ?= auto
 
-.PHONY: install test demo
+# make gpu-check: the machine's own python3 (no venv, nothing installed); the report folder,
+# and a binarized en-de set (default: demo_out/data-bin when make demo made it, else synthetic)
+GPU_CHECK_OUT ?= gpu_check_out
+GPU_CHECK_DATA ?=
+
+.PHONY: install test demo gpu-check
 
 install:
 	@bash scripts/bootstrap.sh
@@ -21,3 +26,7 @@ test: install
 
 demo: install
 	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME) --device $(DEVICE)
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" python3 -m fairseq_admin_pos.cli.gpu_check \
+		--out $(GPU_CHECK_OUT) $(if $(GPU_CHECK_DATA),--data $(GPU_CHECK_DATA))
