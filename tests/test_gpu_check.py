@@ -108,6 +108,7 @@ def _report():
     return {
         "started": "2026-12-04T18:00:00+00:00", "seconds": 351.0, "budget_seconds": 360.0,
         "passed": False, "data": "make demo's demo_out/data-bin: /x/demo_out/data-bin",
+        "recipe_slots": 3,
         "environment": {"python": "/usr/bin/python3", "python_version": "3.12.3",
                         "torch": "2.11.0+cu130", "torch_cuda": "13.0", "cudnn": 91002,
                         "fairseq": "0.12.3", "sacrebleu": "2.6.0", "pytest": "9.0",
@@ -154,7 +155,13 @@ def test_report_markdown_and_json(tmp_path):
         "* train.sh post-ln 18l_18l: train.sh did not finish within 100 s (log: `logs/x.log`)",
     ]:
         assert row in lines, row
-    assert "40 s of training each" in md
+    assert "40 s of training each (`--stop-time-hours`), 3 at a time on the GPU(s)" in md
+
+
+@pytest.mark.parametrize("memories,slots", [([139.8], 3), ([79.6], 3), ([40.0], 2), ([16.0], 1),
+                                            ([24.0, 24.0], 2), ([11.0] * 8, 3)])
+def test_recipe_runs_side_by_side_as_far_as_memory_holds(memories, slots):
+    assert gpu_check.recipe_slots([{"memory_gib": m} for m in memories]) == slots
 
 
 FAKE_BENCH = {

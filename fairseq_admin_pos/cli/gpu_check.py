@@ -15,7 +15,8 @@ Steps, each with its own time limit inside the budget (``--budget``, 360 s):
    ``demo_out/data-bin``); without it ``demo_out/data-bin`` when ``make demo`` made one, else
    a small synthetic en-de corpus binarized with ``fairseq-preprocess`` (``--synthetic``
    forces it; limit 45 s). The report says which;
-2. at the same time (the GPU has room for all of them; limit 120 s for the phase):
+2. at the same time (limit 120 s for the phase; the recipe runs train side by side as far as
+   the GPU memory holds them, 20 GiB each: all three on an 80 GiB card):
    * the CUDA-only tests (pytest ``-m cuda``, the files that carry the marker);
    * ``examples/wmt14_en_de/train.sh SCHEME 18l_18l`` with ``PRECISION=fp16`` on one GPU for
      the paper's Admin (``admin``), the closed form (``admin-closed-form``) and Post-LN
@@ -154,13 +155,26 @@ def run_process(cmd: Sequence[str], *, cwd: Path, env: dict, stdout: Path, timeo
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out,
                                 stderr=err if stderr else subprocess.STDOUT,
                                 start_new_session=True)
+        _LIVE.add(proc)
         try:
             rc = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
             _stop_group(proc)
             rc = None
+        finally:
+            _LIVE.discard(proc)
     return {"command": " ".join(cmd), "rc": rc, "seconds": round(time.monotonic() - t0, 1),
             "timeout": round(timeout, 1)}
+
+
+#: processes running now (their own process groups, so Ctrl-C does not reach them: main
+#: stops them itself)
+_LIVE = set()
+
+
+def stop_all() -> None:
+    for proc in list(_LIVE):
+        _stop_group(proc)
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -339,6 +353,19 @@ def junit_counts(path: Path) -> Optional[dict]:
             "skipped": skipped}
 
 
+#: GPU memory one 18L-18L fp16 recipe run at 4096 tokens may take (weights, fp32 master
+#: copy, RAdam/Adam moments and activations, with room to spare)
+GIB_PER_RECIPE_RUN = 20
+
+
+def recipe_slots(gpus: Sequence[dict]) -> int:
+    """How many recipe runs train at the same time: as many as the GPUs' memory holds (all
+    three on an 80 GiB or larger card); the others wait for a free slot, inside the same
+    phase limit."""
+    slots = sum(max(1, int(g["memory_gib"] // GIB_PER_RECIPE_RUN)) for g in gpus)
+    return max(1, min(len(RECIPE_SCHEMES), slots))
+
+
 def recipe_env(data: Path, run_dir: Path, shims: Path, train_seconds: float, gpu: Optional[int],
                **overrides) -> dict:
     settings = {
@@ -354,7 +381,8 @@ def recipe_env(data: Path, run_dir: Path, shims: Path, train_seconds: float, gpu
     settings.update(overrides)
     env = child_env(**settings)
     for key in ("LAUNCHER", "NNODES", "GPUS_PER_NODE", "DATA_DIR", "RUNS_DIR", "ARCH",
-                "KEEP_LAST_EPOCHS", "DRY_RUN", "ADMIN_INIT", "OPTIMIZER"):
+                "KEEP_LAST_EPOCHS", "DRY_RUN", "ADMIN_INIT", "OPTIMIZER", "SLURM_PROCID",
+                "SLURM_NTASKS", "SLURM_NNODES", "NODE_RANK", "GEN_EXTRA_ARGS"):
         if key not in overrides:
             env.pop(key, None)
     return env
@@ -378,13 +406,17 @@ def recipe_run(scheme: str, data_step: dict, out: Path, logs: Path, shims: Path,
     run_dir = out / "runs" / scheme
     shutil.rmtree(run_dir, ignore_errors=True)  # a new run, never a resume
     run_dir.mkdir(parents=True)
+    t0 = time.monotonic()
     step = {"name": f"train.sh {scheme} {RECIPE_DEPTH}", "scheme": scheme,
-            "train_seconds": train_seconds, "log": str(logs / f"{scheme}-train.log")}
+            "train_seconds": train_seconds, "timeout": round(deadline - t0, 1), "gpu": gpu,
+            "log": str(logs / f"{scheme}-train.log")}
     env = recipe_env(data, run_dir, shims, train_seconds, gpu, **env_overrides)
+    # 20 s of the limit are kept for fairseq-generate
     train = run_process(["bash", REPO / "examples" / "wmt14_en_de" / "train.sh", scheme,
                          RECIPE_DEPTH], cwd=out, env=env, stdout=logs / f"{scheme}-train.log",
                         timeout=max(deadline - time.monotonic() - 20, 1))
-    step.update(train)
+    step["train"] = train
+    step["seconds"] = round(time.monotonic() - t0, 1)
     log_text = (logs / f"{scheme}-train.log").read_text(errors="replace")
     step.update(parse_train_log(log_text))
     ckpt = run_dir / "checkpoint_last.pt"
@@ -411,7 +443,7 @@ def recipe_run(scheme: str, data_step: dict, out: Path, logs: Path, shims: Path,
                       stderr=logs / f"{scheme}-generate.log",
                       timeout=max(deadline - time.monotonic(), 1))
     step["generate"] = {**gen, "output": str(gen_out)}
-    step["seconds"] = round(train["seconds"] + gen["seconds"], 1)
+    step["seconds"] = round(time.monotonic() - t0, 1)
     if not keep_checkpoints:
         for path in run_dir.glob("*.pt"):
             path.unlink()
@@ -542,7 +574,8 @@ def markdown(report: dict) -> str:
         lines += ["", f"Recipe smoke runs: `examples/wmt14_en_de/train.sh SCHEME {RECIPE_DEPTH}`"
                   f" with `PRECISION=fp16`, one GPU x 4096 tokens, "
                   f"{recipes[0]['train_seconds']:.0f} s of training each "
-                  "(`--stop-time-hours`), the three at the same time, then `fairseq-generate` "
+                  f"(`--stop-time-hours`), {report.get('recipe_slots', 3)} at a time on the "
+                  "GPU(s) and next to the CUDA tests, then `fairseq-generate` "
                   "(beam 4) on the test split and sacreBLEU against its references:", "",
                   "| scheme | updates | train loss first -> last | checkpoint | translated | "
                   "sacreBLEU |", "|---|---|---|---|---|---|"]
@@ -627,18 +660,28 @@ def main(argv=None) -> int:
     if data_step["status"] == "passed":
         phase_end = time.monotonic() + min(PHASE_LIMIT, deadline - time.monotonic() - 60)
         n_gpus = info["device_count"]
-        with concurrent.futures.ThreadPoolExecutor(1 + len(RECIPE_SCHEMES)) as pool:
-            tests = pool.submit(cuda_tests, logs, phase_end - time.monotonic())
-            runs = [pool.submit(recipe_run, scheme, data_step, out, logs, shims,
-                                args.train_seconds, phase_end, i % n_gpus,
-                                args.keep_checkpoints)
-                    for i, scheme in enumerate(RECIPE_SCHEMES)]
-            steps.append(tests.result())
-            steps += [r.result() for r in runs]
+        slots = recipe_slots(info.get("gpus") or [])
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as test_pool, \
+                    concurrent.futures.ThreadPoolExecutor(slots) as pool:
+                tests = test_pool.submit(cuda_tests, logs, phase_end - time.monotonic())
+                runs = [pool.submit(recipe_run, scheme, data_step, out, logs, shims,
+                                    args.train_seconds, phase_end, i % n_gpus,
+                                    args.keep_checkpoints)
+                        for i, scheme in enumerate(RECIPE_SCHEMES)]
+                steps.append(tests.result())
+                steps += [r.result() for r in runs]
+        except KeyboardInterrupt:
+            stop_all()
+            raise
         for s in steps[1:]:
             say(f"{s['name']}: {s['status']} in {s.get('seconds', 0):.0f} s ({_result(s)})")
-        steps.append(benchmark(Path(data_step["path"]), out, logs,
-                               deadline - time.monotonic() - REPORT_MARGIN))
+        try:
+            steps.append(benchmark(Path(data_step["path"]), out, logs,
+                                   deadline - time.monotonic() - REPORT_MARGIN))
+        except KeyboardInterrupt:
+            stop_all()
+            raise
         say(f"speed benchmark: {steps[-1]['status']} in {steps[-1]['seconds']:.0f} s")
     report = {
         "started": started.isoformat(timespec="seconds"),
@@ -646,6 +689,7 @@ def main(argv=None) -> int:
         "passed": all(s["status"] == "passed" for s in steps) and len(steps) > 1,
         "environment": env,
         "data": f"{data_step.get('source')}: {data_step.get('path')}",
+        "recipe_slots": recipe_slots(info.get("gpus") or []),
         "steps": steps,
     }
     write_report(out, report)
