@@ -48,6 +48,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -150,6 +151,8 @@ def run_process(cmd: Sequence[str], *, cwd: Path, env: dict, stdout: Path, timeo
     whole group (train.sh, fairseq-train, tee) is stopped. Returns rc (None when timed
     out), seconds and the limit."""
     cmd = [str(c) for c in cmd]
+    if _STOPPING.is_set():
+        raise RuntimeError("gpu-check was interrupted")
     t0 = time.monotonic()
     with open(stdout, "w") as out, open(stderr or os.devnull, "w") as err:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out,
@@ -161,6 +164,9 @@ def run_process(cmd: Sequence[str], *, cwd: Path, env: dict, stdout: Path, timeo
         except subprocess.TimeoutExpired:
             _stop_group(proc)
             rc = None
+        except BaseException:  # Ctrl-C while waiting in the main thread
+            _stop_group(proc)
+            raise
         finally:
             _LIVE.discard(proc)
     return {"command": " ".join(cmd), "rc": rc, "seconds": round(time.monotonic() - t0, 1),
@@ -170,6 +176,7 @@ def run_process(cmd: Sequence[str], *, cwd: Path, env: dict, stdout: Path, timeo
 #: processes running now (their own process groups, so Ctrl-C does not reach them: main
 #: stops them itself)
 _LIVE = set()
+_STOPPING = threading.Event()
 
 
 def stop_all() -> None:
@@ -661,27 +668,28 @@ def main(argv=None) -> int:
         phase_end = time.monotonic() + min(PHASE_LIMIT, deadline - time.monotonic() - 60)
         n_gpus = info["device_count"]
         slots = recipe_slots(info.get("gpus") or [])
+        pools = [concurrent.futures.ThreadPoolExecutor(1),
+                 concurrent.futures.ThreadPoolExecutor(slots)]
         try:
-            with concurrent.futures.ThreadPoolExecutor(1) as test_pool, \
-                    concurrent.futures.ThreadPoolExecutor(slots) as pool:
-                tests = test_pool.submit(cuda_tests, logs, phase_end - time.monotonic())
-                runs = [pool.submit(recipe_run, scheme, data_step, out, logs, shims,
+            tests = pools[0].submit(cuda_tests, logs, phase_end - time.monotonic())
+            runs = [pools[1].submit(recipe_run, scheme, data_step, out, logs, shims,
                                     args.train_seconds, phase_end, i % n_gpus,
                                     args.keep_checkpoints)
-                        for i, scheme in enumerate(RECIPE_SCHEMES)]
-                steps.append(tests.result())
-                steps += [r.result() for r in runs]
+                    for i, scheme in enumerate(RECIPE_SCHEMES)]
+            steps.append(tests.result())
+            steps += [r.result() for r in runs]
         except KeyboardInterrupt:
+            # the children run in their own sessions: Ctrl-C reached only this process
+            _STOPPING.set()
             stop_all()
             raise
+        finally:
+            for pool in pools:
+                pool.shutdown(wait=True, cancel_futures=True)
         for s in steps[1:]:
             say(f"{s['name']}: {s['status']} in {s.get('seconds', 0):.0f} s ({_result(s)})")
-        try:
-            steps.append(benchmark(Path(data_step["path"]), out, logs,
-                                   deadline - time.monotonic() - REPORT_MARGIN))
-        except KeyboardInterrupt:
-            stop_all()
-            raise
+        steps.append(benchmark(Path(data_step["path"]), out, logs,
+                               deadline - time.monotonic() - REPORT_MARGIN))
         say(f"speed benchmark: {steps[-1]['status']} in {steps[-1]['seconds']:.0f} s")
     report = {
         "started": started.isoformat(timespec="seconds"),
