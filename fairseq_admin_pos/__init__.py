@@ -11,6 +11,8 @@ Layout:
 * :mod:`~fairseq_admin_pos.fairseq_fixes`: narrow fixes to the fairseq we run on
   (torch >= 2.6 checkpoint loading, ``--help`` with the model's flags, batching that no
   longer drops the last sentences of a split, a bad model flag as one ``error:`` line);
+* :mod:`~fairseq_admin_pos.speed`: the training step's multi-tensor Adam and clipping for
+  the plugin's models (same numbers, fewer operations; ``docs/speed.md``);
 * :mod:`~fairseq_admin_pos.cli`: ``fairseq-admin-analyze``,
   ``fairseq-admin-average-checkpoints`` and ``make demo``.
 
@@ -45,6 +47,7 @@ def register() -> None:
 
     checkpoint_compat.allow_fairseq_checkpoints()
     from fairseq_admin_pos import models, optim  # noqa: F401  (their imports register)
+    from fairseq_admin_pos.speed import trainer as _speed  # noqa: F401  (installs its hook)
 
     cli_help.install()
     batching_fix.install()

@@ -216,14 +216,16 @@ def _is_compiling() -> bool:
 class _ShortcutSum(torch.autograd.Function):
     r"""``x * omega + f_x`` in one kernel each way, for ``x``, ``f_x`` of one dtype and shape.
 
-    Forward: one ``addcmul`` writing into a tensor of ``x``'s dtype. The kernel computes in
-    the inputs' common dtype and rounds on store: with a float32 ``omega`` (1-dim, so it
-    takes part in type promotion) and float16/bfloat16 activations that is float32 and one
-    rounding, without materialising float32 copies of ``x``, ``f_x`` or the sum; with
-    ``omega`` in the activations' dtype it is the plain ``addcmul``.
+    Used by :class:`Float32OmegaResidual` for a float32 ``omega`` with float16/bfloat16
+    activations: one ``addcmul`` writing into a tensor of ``x``'s dtype computes in float32
+    and rounds once on store, without float32 copies of ``x``, ``f_x`` or the sum (no
+    native op does that in one kernel: ``add(f_x, x, alpha=omega)`` rounds alpha to the
+    activation dtype on the CPU). Where omega and the activations share a dtype, native
+    ``addcmul`` is used instead: a Python autograd function costs about twice the host time
+    of the native ops (``docs/speed.md``), and the host is what a training step waits for.
     Backward: ``grad_f = grad`` (no kernel), ``grad_x = grad * omega`` written the same way
-    (one kernel, where autograd's ``addcmul`` formula takes two), and ``grad_omega =
-    sum(grad * x)`` over the broadcast dimensions only when omega is trained.
+    (one kernel), and ``grad_omega = sum(grad * x)`` over the broadcast dimensions only when
+    omega is trained.
     """
 
     @staticmethod
@@ -261,9 +263,11 @@ class Float32OmegaResidual(OmegaResidual):
       closed-form omega is never rounded (3.04 would become 3.03125 in bfloat16);
     * with float16/bfloat16 inputs and a float32 omega the sum is computed in float32 and
       rounded once to the activation dtype, in one kernel forward and one backward
-      (:class:`_ShortcutSum`, also used in float32, where autograd's ``addcmul`` would take
-      two backward kernels); mixed-dtype or broadcast inputs take
+      (:class:`_ShortcutSum`); mixed-dtype or broadcast inputs take
       ``addcmul(f_x, x, omega).to(dtype)``, the same numbers in more kernels;
+    * where omega and the activations share a dtype (float32 training; the trainable vector
+      in every precision) it is one native ``addcmul`` forward, the seed module's numbers,
+      with autograd's own backward: no Python runs in the backward pass;
     * a buffer omega *known* to be exactly 1 computes ``x + f_x`` itself: the same numbers
       (``x * 1`` is exact) in stock fairseq's one kernel forward and none backward, so the
       Post-LN/Pre-LN baselines (``--admin-init none``) cost what stock costs in every
@@ -337,12 +341,14 @@ class Float32OmegaResidual(OmegaResidual):
         if not (x.is_floating_point() and f_x.is_floating_point()):
             return super().forward_omega(x, f_x)
         dtype = x.dtype if x.dtype == f_x.dtype else torch.promote_types(x.dtype, f_x.dtype)
+        if omega.dtype == dtype and x.dtype == f_x.dtype:
+            # one native kernel forward, autograd's backward (the seed module's numbers)
+            return torch.addcmul(f_x, x, omega)
         # a float32 omega with half/bfloat16 activations: the sum is computed in float32
-        wide = omega.dtype == torch.float32 and dtype in _LOW_PRECISION
-        if (wide or omega.dtype == dtype) and x.dtype == f_x.dtype and x.shape == f_x.shape \
-                and not _is_compiling():
-            return _ShortcutSum.apply(x, f_x, omega)
-        if wide:  # mixed or broadcast inputs (torch.compile fuses this into one kernel)
+        if omega.dtype == torch.float32 and dtype in _LOW_PRECISION:
+            if x.dtype == f_x.dtype and x.shape == f_x.shape and not _is_compiling():
+                return _ShortcutSum.apply(x, f_x, omega)
+            # mixed or broadcast inputs (torch.compile fuses this into one kernel)
             return torch.addcmul(f_x, x, omega).to(dtype)
         return super().forward_omega(x, f_x)
 
@@ -358,10 +364,9 @@ class ReZeroResidual(nn.Module):
     shares one ``resweight`` between the two sub-layers of a layer).
 
     ``a`` is stored as a parameter of shape ``(1,)`` and follows the model dtype; it is cast
-    to ``f_x``'s dtype in the product, computed as one fused ``addcmul`` (one kernel, one
-    rounding, no temporary for ``a * f_x``; backward one kernel for ``f_x``'s gradient and a
-    product and a sum for ``a``'s, :class:`_ShortcutSum`). Shapes: ``x``, ``f_x`` ``(*, C)``
-    -> ``(*, C)``.
+    to ``f_x``'s dtype in the product, computed as one native ``addcmul`` (one kernel, one
+    rounding, no temporary for ``a * f_x``; autograd's own backward). Shapes: ``x``,
+    ``f_x`` ``(*, C)`` -> ``(*, C)``.
     """
 
     def __init__(self, init_value: float = 0.0):
@@ -375,10 +380,7 @@ class ReZeroResidual(nn.Module):
         alpha = self.alpha
         if f_x.is_floating_point() and alpha.dtype != f_x.dtype:
             alpha = alpha.to(f_x.dtype)
-        if x.dtype == f_x.dtype and x.shape == f_x.shape and f_x.is_floating_point() \
-                and not _is_compiling():
-            # f_x * a + x: backward grad_x = grad, grad_f = grad * a (one kernel each way)
-            return _ShortcutSum.apply(f_x, x, alpha)
+        # one native kernel forward; autograd's backward (no Python in the backward pass)
         return torch.addcmul(x, f_x, alpha)
 
     def extra_repr(self) -> str:

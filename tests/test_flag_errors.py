@@ -115,6 +115,11 @@ TRAIN_CASES = {
         "--admin-init profile cannot be combined with --store-ema: fairseq copies the model "
         "for the EMA when the trainer is built, i.e. before the omegas are profiled on the "
         "first batch"),
+    "compile-with-activation-checkpointing": (
+        ["--admin-compile", "layers", "--checkpoint-activations"],
+        "--admin-compile layers cannot be combined with --checkpoint-activations / "
+        "--offload-activations; use one of the two (--admin-compile none keeps activation "
+        "checkpointing)"),
 }
 
 SETTINGS_MISMATCH = (
@@ -129,6 +134,8 @@ OVERRIDE_CASES = {
     "position-choice": ("{'encoder_pos_emb': 'rotary'}",
                         "--encoder-pos-emb 'rotary' is not valid; valid choices: sinusoidal, "
                         "scaled-sinusoidal, learned, none"),
+    "compile-choice": ("{'admin_compile': 'jit'}",
+                       "--admin-compile 'jit' is not valid; valid choices: none, layers"),
     "profile-mode": ("{'admin_init': 'profile', 'admin_profile_mode': 'twice'}",
                      "--admin-profile-mode 'twice' is not valid; valid choices: clinic, eval"),
     "settings-mismatch": ("{'admin_output_change_scale': 'O(n)'}", SETTINGS_MISMATCH.format(

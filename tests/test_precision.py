@@ -157,24 +157,64 @@ def test_omega_one_costs_what_stock_costs(dtype, how):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scheme", ["admin", "deepnorm"])
-def test_fixed_omega_is_one_kernel_each_way(dtype, scheme):
+def test_fixed_omega_kernels_each_way(dtype, scheme):
     c = deepnorm_constants(6, 6)
     m = Float32OmegaResidual(calculate_init(36) if scheme == "admin" else c.encoder_alpha)
     m.to(dtype)
-    fwd, bwd = _kernels(m, *_xf(dtype))
-    assert fwd == ["aten.addcmul.out"]  # float32 maths, rounded on store
-    assert bwd == ["aten.mul.out"]      # grad_x = grad * omega; grad_f = grad, no kernel
+    x, f = _xf(dtype)
+    fwd, bwd = _kernels(m, x, f)
+    if dtype == torch.float32:
+        # native addcmul and autograd's own backward: grad_x = grad * (omega * 1), the
+        # second factor a one-element product; grad_f = grad, no kernel; no Python
+        assert (fwd, bwd) == (["aten.addcmul.default"], ["aten.mul.Scalar", "aten.mul.Tensor"])
+        assert m(x.requires_grad_(), f).grad_fn.name() == "AddcmulBackward0"
+    else:
+        assert fwd == ["aten.addcmul.out"]  # float32 maths, rounded on store
+        assert bwd == ["aten.mul.out"]      # grad_x = grad * omega; grad_f = grad, no kernel
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("module", ["admin-parameter", "rezero"])
-def test_trained_weight_is_one_kernel_forward(dtype, module):
+def test_trained_weight_is_one_native_kernel_forward(dtype, module):
     m = (Float32OmegaResidual(2.0, as_parameter=True, embed_dim=8) if module == "admin-parameter"
          else ReZeroResidual(0.5)).to(dtype)
-    fwd, bwd = _kernels(m, *_xf(dtype))
-    assert fwd == ["aten.addcmul.out"]
-    # the branch's gradient, then the weight's: a product and a sum over the other dims
-    assert bwd == ["aten.mul.out", "aten.mul.Tensor", "aten.sum.dim_IntList"]
+    x, f = _xf(dtype)
+    fwd, bwd = _kernels(m, x, f)
+    assert fwd == ["aten.addcmul.default"]
+    # the branch's gradient: grad * (weight * 1), autograd's addcmul formula, no Python
+    assert bwd == ["aten.mul.Scalar", "aten.mul.Tensor"]
+    assert m(x.requires_grad_(), f).grad_fn.name() == "AddcmulBackward0"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("module", ["admin-buffer", "admin-parameter", "rezero"])
+def test_native_residual_is_bitwise_the_fused_function(dtype, module):
+    """The native ops that replaced the Python autograd function where the weight and the
+    activations share a dtype give its numbers bit for bit: output, both input gradients
+    and the weight's gradient (a product rounded in the activation dtype, then a sum)."""
+    from fairseq_admin_pos.schemes import _ShortcutSum
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 4, 16, generator=g).to(dtype)
+    f = torch.randn(9, 4, 16, generator=g).to(dtype)
+    up = torch.randn(9, 4, 16, generator=g).to(dtype)
+    if module == "rezero":
+        m = ReZeroResidual(0.7).to(dtype)
+        weight, reference = m.alpha, (lambda a, b, w: _ShortcutSum.apply(b, a, w))
+    else:
+        m = Float32OmegaResidual(2.3, as_parameter=module == "admin-parameter",
+                                 embed_dim=16).to(dtype)
+        weight, reference = m.omega, _ShortcutSum.apply
+    if weight.dtype != dtype:
+        pytest.skip("a float32 buffer with low-precision activations keeps the function")
+    results = []
+    for fn in (m, lambda a, b: reference(a, b, weight)):
+        a, b = x.clone().requires_grad_(), f.clone().requires_grad_()
+        out = fn(a, b)
+        inputs = (a, b, weight) if weight.requires_grad else (a, b)
+        results.append((out, *torch.autograd.grad(out, inputs, up)))
+    for ours, ref in zip(*results):
+        assert torch.equal(ours, ref)
 
 
 def test_module_built_under_inference_mode():
@@ -211,7 +251,7 @@ def test_known_one_follows_every_write(write):
     with torch.no_grad():  # written back to 1 in place: correct, not known from the host
         m.omega.fill_(1.0)
     assert torch.equal(m(x, f), x + f)
-    assert _kernels(m, x, f)[0] == ["aten.addcmul.out"]
+    assert _kernels(m, x, f)[0] == ["aten.addcmul.default"]
     m.load_state_dict({"omega": torch.tensor([1.0])})  # known again
     assert _kernels(m, x, f)[0] == ["aten.add.Tensor"]
 

@@ -55,8 +55,8 @@ when fairseq casts the model and the residual sum is computed in float32
 and its final LayerNorm are float32 whatever the model dtype.
 
 The settings are stored in the model's state dict (``_extra_state``); loading a checkpoint
-whose settings differ from the flags given raises an ``AdminFlagError`` (a ``ValueError``) that names them, instead of
-silently running with other omegas or positions.
+whose settings differ from the flags given raises an ``AdminFlagError`` (a ``ValueError``)
+that names them, instead of silently running with other omegas or positions.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ from fairseq_admin_pos.models.layers import (
     HostSyncFreeEncoderBase,
 )
 from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, SCALED_TABLES, build_positions
+from fairseq_admin_pos.speed import compile as speed_compile
 from fairseq_admin_pos.schemes import (
     RESIDUAL_SCHEMES,
     Float32OmegaResidual,
@@ -412,6 +413,22 @@ def resolve_scaled_position_flags(args) -> None:
     args.pos_emb_scale_init = scale
 
 
+def check_compile_flags(args) -> None:
+    """``--admin-compile layers`` compiles the layers themselves; fairseq's activation
+    checkpointing wraps them in a function that recomputes the forward, which the compiled
+    layers do not support."""
+    if args.admin_compile not in speed_compile.COMPILE_CHOICES:
+        raise AdminFlagError(f"--admin-compile {args.admin_compile!r} is not valid; valid choices: "
+                         f"{', '.join(speed_compile.COMPILE_CHOICES)}")
+    if args.admin_compile == "layers" and (getattr(args, "checkpoint_activations", False)
+                                           or getattr(args, "offload_activations", False)):
+        raise AdminFlagError(
+            "--admin-compile layers cannot be combined with --checkpoint-activations / "
+            "--offload-activations; use one of the two (--admin-compile none keeps "
+            "activation checkpointing)"
+        )
+
+
 def check_normalize_before(args) -> None:
     """Pre-LN with Admin omegas is not a published configuration: refuse it clearly."""
     pre_ln = [
@@ -487,6 +504,7 @@ def prepare_args(args):
     check_normalize_before(args)
     check_residual_scheme(args)
     admin_profile.check_profile_flags(args)
+    check_compile_flags(args)
     return args
 
 
@@ -579,6 +597,15 @@ class AdminTransformerModel(TransformerModel):
             "Default: 1/sqrt(d), the seed's",
         )
         admin_profile.add_profile_args(group)
+        group.add_argument(
+            "--admin-compile",
+            choices=speed_compile.COMPILE_CHOICES,
+            help="none = eager PyTorch; layers = compile every layer's training forward and "
+            "backward with torch.compile (TorchInductor, dynamic shapes), same module tree "
+            "and checkpoints, dropout's random numbers as in eager mode, results equal up to "
+            "float rounding; the first update pays the compilation. Validation and generation "
+            "stay eager. Not with --checkpoint-activations. Default: none",
+        )
 
     @classmethod
     def build_model(cls, args, task):
@@ -587,6 +614,9 @@ class AdminTransformerModel(TransformerModel):
         model.admin_settings = admin_settings(args)
         if args.admin_init == "profile":
             admin_profile.configure(model, args, task)
+        if args.admin_compile == "layers":
+            for layer in [*model.encoder.layers, *model.decoder.layers]:
+                speed_compile.enable(layer)
         return model
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, *args, **kwargs):
@@ -654,6 +684,7 @@ def admin_base_architecture(args):
     _default(args, "admin_init", "closed-form" if args.admin_residual == "admin" else "none")
     _default(args, "admin_output_change_scale", "O(logn)")
     _default(args, "admin_omega", "buffer")
+    _default(args, "admin_compile", "none")
     base_architecture(args)
 
 

@@ -47,6 +47,8 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from fairseq_admin_pos.speed.compile import compiled_forward
+
 # (embed_dim) -> residual module; built by the model from its flags.
 ResidualFactory = Callable[[int], nn.Module]
 
@@ -96,7 +98,15 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
     #: input added into the sum that the last LayerNorm normalises
     bottom_to_top: bool = False
 
-    def forward(
+    def forward(self, *args, **kwargs):
+        """:meth:`forward_eager`, compiled in training when ``--admin-compile layers``
+        (:mod:`fairseq_admin_pos.speed.compile`)."""
+        compiled = compiled_forward(self)
+        if compiled is not None:
+            return compiled(self, *args, **kwargs)
+        return self.forward_eager(*args, **kwargs)
+
+    def forward_eager(
         self,
         x,
         encoder_padding_mask: Optional[Tensor],
@@ -204,7 +214,15 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
         if not sublayer_layer_norm:
             _drop_sublayer_layer_norms(self)
 
-    def forward(
+    def forward(self, *args, **kwargs):
+        """:meth:`forward_eager`, compiled in training when ``--admin-compile layers``
+        (:mod:`fairseq_admin_pos.speed.compile`)."""
+        compiled = compiled_forward(self)
+        if compiled is not None:
+            return compiled(self, *args, **kwargs)
+        return self.forward_eager(*args, **kwargs)
+
+    def forward_eager(
         self,
         x,
         encoder_out: Optional[torch.Tensor] = None,

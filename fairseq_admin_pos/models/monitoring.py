@@ -75,6 +75,7 @@ from fairseq_admin_pos.models.admin_profile import residual_stacks
 from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
 from fairseq_admin_pos.models.positions import ScaledSinusoidalPositions
 from fairseq_admin_pos.schemes import ReZeroResidual
+from fairseq_admin_pos.speed import trainer as speed_trainer
 
 STACK_PREFIX = {"encoder": "enc", "decoder": "dec"}
 #: second component of a parameter name that puts it in the ``emb`` group
@@ -163,7 +164,8 @@ def shortcut_stats(model: nn.Module) -> Dict[str, torch.Tensor]:
     "enc_pos_scale": t}``: 0-dim float32 tensors on the model's device (no host sync)."""
     stats: Dict[str, torch.Tensor] = {}
     for stem, params in _plan(model)["shortcuts"].items():
-        flat = torch.cat([p.detach().reshape(-1) for p in params]).float()
+        # under no_grad the parameters need no detach (an operation each)
+        flat = torch.cat([p if p.dim() == 1 else p.reshape(-1) for p in params]).float()
         if stem.endswith("_pos_scale"):
             stats[stem] = flat[0]
             continue
@@ -252,14 +254,49 @@ def _monitored(trainer) -> Optional[nn.Module]:
 _PENDING = "_admin_group_gnorms"
 
 
+def norms_from_cache(model: nn.Module, cached: Dict[int, torch.Tensor],
+                     extra_params: Iterable[nn.Parameter] = ()) -> Tuple[
+        Dict[str, torch.Tensor], torch.Tensor]:
+    """:func:`raw_group_norms` from per-parameter norms already computed (``{id(param):
+    norm}``, the fast clipping's, :func:`fairseq_admin_pos.speed.trainer.take_grad_norms`):
+    the same groups, no second pass over the gradients."""
+    plan = _plan(model)
+    device = next(iter(cached.values())).device if cached else torch.device("cpu")
+
+    def combine(params) -> Optional[torch.Tensor]:
+        parts = [cached[id(p)] for p in params if id(p) in cached]
+        if not parts:
+            return None
+        return torch.linalg.vector_norm(torch.stack(parts))
+
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    norms = {k: combine(v) for k, v in plan["groups"].items()}
+    norms = {k: zero if v is None else v for k, v in norms.items()}
+    parts = [norms[k] for k in GRAD_GROUPS]
+    rest = combine(list(plan["rest"]) + [p for p in extra_params if not hasattr(p, "expert")])
+    if rest is not None:
+        parts.append(rest)
+    return norms, torch.linalg.vector_norm(torch.stack(parts))
+
+
 def _wrap_clip_grad_norm(clip_grad_norm):
     @functools.wraps(clip_grad_norm)
     def wrapper(self, clip_norm):
         model = _monitored(self)
         if model is None:
             return clip_grad_norm(self, clip_norm)
-        raw, raw_total = raw_group_norms(model, self.get_criterion().parameters())
-        total = clip_grad_norm(self, clip_norm)  # raises on an fp16 overflow: nothing logged
+        if speed_trainer.has_fast_clipping(self.optimizer):
+            # the fast clipping computes every gradient's norm anyway: reuse them
+            total = clip_grad_norm(self, clip_norm)
+            cached = speed_trainer.take_grad_norms(self.optimizer)
+            if cached is not None:
+                raw, raw_total = norms_from_cache(model, cached,
+                                                  self.get_criterion().parameters())
+            else:  # clipping scales every gradient alike: the ratios below still hold
+                raw, raw_total = raw_group_norms(model, self.get_criterion().parameters())
+        else:
+            raw, raw_total = raw_group_norms(model, self.get_criterion().parameters())
+            total = clip_grad_norm(self, clip_norm)  # raises on an fp16 overflow: nothing logged
         # logged in set_num_updates, i.e. only if the update is taken
         setattr(self, _PENDING, scaled_group_norms(raw, raw_total, total))
         return total
