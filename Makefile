@@ -5,8 +5,15 @@ MULTI30K ?= ../shared/data/multi30k
 DEMO_OUT ?= demo_out
 # the residual scheme the demo trains: admin, post-ln, pre-ln, admin-paper, deepnorm
 SCHEME ?= admin
+# where the demo trains and translates: auto (the GPU when torch sees one), cpu or cuda
+DEVICE ?= auto
 
-.PHONY: install test demo
+# make gpu-check: the machine's own python3 (no venv, nothing installed); the report folder,
+# and a binarized en-de set (default: demo_out/data-bin when make demo made it, else synthetic)
+GPU_CHECK_OUT ?= gpu_check_out
+GPU_CHECK_DATA ?=
+
+.PHONY: install test demo gpu-check
 
 install:
 	@bash scripts/bootstrap.sh
@@ -18,4 +25,8 @@ test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=15 tests
 
 demo: install
-	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME)
+	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME) --device $(DEVICE)
+
+gpu-check:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" python3 -m fairseq_admin_pos.cli.gpu_check \
+		--out $(GPU_CHECK_OUT) $(if $(GPU_CHECK_DATA),--data $(GPU_CHECK_DATA))

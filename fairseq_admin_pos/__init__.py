@@ -10,7 +10,7 @@ Layout:
   layers, positions and profiling trigger) and :mod:`~fairseq_admin_pos.optim` (``radam``);
 * :mod:`~fairseq_admin_pos.fairseq_fixes`: narrow fixes to the fairseq we run on
   (torch >= 2.6 checkpoint loading, ``--help`` with the model's flags, batching that no
-  longer drops the last sentences of a split);
+  longer drops the last sentences of a split, a bad model flag as one ``error:`` line);
 * :mod:`~fairseq_admin_pos.speed`: the training step's multi-tensor Adam and clipping for
   the plugin's models (same numbers, fewer operations; ``docs/speed.md``);
 * :mod:`~fairseq_admin_pos.cli`: ``fairseq-admin-analyze``,
@@ -43,7 +43,7 @@ def register() -> None:
     if _registered:
         return
     from fairseq_admin_pos.fairseq_fixes import (batching_fix, checkpoint_compat,
-                                                 cli_help)
+                                                 cli_help, flag_errors)
 
     checkpoint_compat.allow_fairseq_checkpoints()
     from fairseq_admin_pos import models, optim  # noqa: F401  (their imports register)
@@ -51,6 +51,7 @@ def register() -> None:
 
     cli_help.install()
     batching_fix.install()
+    flag_errors.install()
     # only now: a registration that failed half way is retried by the next call
     _registered = True
 

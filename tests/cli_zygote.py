@@ -4,7 +4,8 @@ Why: every ``python -m fairseq_cli.train`` pays about 5 s of CPU importing torch
 the scikit-learn/scipy that fairseq's task registry pulls in; the suite runs about a hundred
 such commands, on two cores. A child forked from this process runs the command exactly as
 ``python -m MODULE ARGS`` would (``runpy`` as ``__main__``, the given cwd, environment and
-argv, stdout/stderr to files, atexit handlers run, the exit status of ``sys.exit``), with
+argv, stdout/stderr to files, an uncaught exception given to ``sys.excepthook``, atexit
+handlers run, the exit status of ``sys.exit``), with
 the imports already done. The plugin itself is *not* imported here, so each command imports
 it through its own ``--user-dir`` as a user's run does.
 
@@ -13,6 +14,7 @@ Protocol (one JSON object per line): the client writes ``{"module", "argv", "cwd
 child has ended. Started by ``fairseq_cli_utils.run``; ends when its stdin closes.
 """
 import atexit
+import importlib.util
 import json
 import logging
 import os
@@ -36,6 +38,32 @@ for _handler in logging.root.handlers[:]:
 logging.root.setLevel(logging.WARNING)
 
 
+def _exit_status(e: SystemExit) -> int:
+    # the interpreter's rules for sys.exit's argument
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def _uncaught(e: BaseException) -> int:
+    """What the interpreter does with an exception nobody caught: ``sys.excepthook`` (which
+    the command may have replaced) prints it and the status is 1, unless the hook raises
+    SystemExit (then its code)."""
+    try:
+        sys.excepthook(type(e), e, e.__traceback__)
+    except SystemExit as exit_:
+        return _exit_status(exit_)
+    except BaseException:
+        print("Error in sys.excepthook:", file=sys.stderr)
+        traceback.print_exc()
+        print("\nOriginal exception was:", file=sys.stderr)
+        traceback.print_exception(type(e), e, e.__traceback__)
+    return 1
+
+
 def _child(req) -> None:
     rc = 1
     try:
@@ -51,20 +79,15 @@ def _child(req) -> None:
             os.dup2(f, fd)
             os.close(f)
         sys.path.insert(0, req["cwd"])  # what ``python -m`` puts first
-        sys.argv = [req["module"], *req["argv"]]
+        # what ``python -m`` leaves in argv[0] (runpy sets it while the module runs, and
+        # restores this value before an uncaught exception reaches sys.excepthook)
+        sys.argv = [importlib.util.find_spec(req["module"]).origin, *req["argv"]]
         runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
         rc = 0
-    except SystemExit as e:  # the interpreter's rules for sys.exit's argument
-        if e.code is None:
-            rc = 0
-        elif isinstance(e.code, int):
-            rc = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            rc = 1
-    except BaseException:
-        traceback.print_exc()
-        rc = 1
+    except SystemExit as e:
+        rc = _exit_status(e)
+    except BaseException as e:
+        rc = _uncaught(e)
     finally:
         try:
             atexit._run_exitfuncs()  # logging.shutdown, tensorboard writers, ...

@@ -328,7 +328,7 @@ def test_device_following_meta():
     assert p.omega.device.type == "meta"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("as_parameter", [False, True])
 def test_device_following_cuda(as_parameter):
     m = admin_torch.as_module(12, "O(n)", as_parameter=as_parameter, embed_dim=4).cuda()

@@ -192,7 +192,7 @@ def test_bfloat16_training_and_beam_search_never_read_the_device(tiny_data, sche
     assert len(hyps) == 3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("scheme,pos", BF16)
 def test_cuda_forward_backward_and_beam_search_do_not_synchronize(tiny_data, scheme, pos):
     """On a GPU, CUDA's own sync detector (``set_sync_debug_mode("error")``) inside the model."""

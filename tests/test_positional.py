@@ -236,7 +236,7 @@ def test_device_following_meta():
     assert m.embedding.weight.device.type == "meta" and m.scaling.device.type == "meta"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("cls", [SinusoidalEmbeddings, PositionalEmbeddings])
 def test_cuda_forward_does_not_synchronize(cls):
     m = cls(10, 4).cuda()
@@ -248,7 +248,7 @@ def test_cuda_forward_does_not_synchronize(cls):
     assert out.is_cuda and torch.equal(out.cpu(), m.cpu()(torch.arange(10)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("cls", ["SinusoidalEmbeddings", "PositionalEmbeddings"])
 def test_cuda_out_of_range_fails_asynchronously(cls):
     """On CUDA the range check is a device assertion: the process fails at the next

@@ -12,6 +12,12 @@ Steps (each prints the command it runs and is skipped when its output is complet
    (default ``admin``: Admin closed-form omegas, a trainable vector);
 5. ``fairseq-generate`` on test2016 with beam 4, then sacreBLEU against the raw references.
 
+``--device`` (``make demo DEVICE=...``): ``auto`` (default) trains and translates on the GPU
+when torch sees one, else on the CPU; ``cpu`` and ``cuda`` force one (``cuda`` without a
+CUDA GPU stops before anything is made). The CPU run is the same commands as always
+(``--cpu``); the GPU run is the same recipe (float32, the same batch) on one GPU
+(``--distributed-world-size 1`` instead of ``--cpu``). ``results.json`` records the device.
+
 Data goes under ``--out`` (``raw/``, ``spm/``, ``data-bin/``, shared by every scheme); each
 scheme's run goes under ``--out/<scheme>/`` (``--out/<scheme>-<E>L-<D>L/`` at other depths:
 checkpoints, logs, ``results.json`` with the BLEU, its signature and timings; a folder keeps
@@ -66,10 +72,17 @@ def log(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def bin_path(tool: str) -> str:
-    # the console scripts live next to the interpreter running us (the project's venv)
-    candidate = Path(sys.executable).parent / tool
-    return str(candidate) if candidate.exists() else tool
+def tool(name: str) -> List[str]:
+    """The command of a fairseq tool (``fairseq-train``, ...): the console script next to
+    the interpreter running us (the project's venv), else the one on PATH, else
+    ``python -m fairseq_cli.<tool>`` with this interpreter (a Python whose fairseq has no
+    console scripts on PATH, e.g. on a GPU machine without the venv)."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return [str(candidate)]
+    if shutil.which(name):
+        return [name]
+    return [sys.executable, "-m", "fairseq_cli." + name.split("-", 1)[1].replace("-", "_")]
 
 
 def run(cmd: Sequence[str], log_file: Path = None) -> None:
@@ -175,7 +188,7 @@ def preprocess(spm_dir: Path, out: Path) -> Path:
         return dest
     if dest.exists():
         shutil.rmtree(dest)  # half-written by an interrupted run
-    run([bin_path("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
+    run([*tool("fairseq-preprocess"), "--source-lang", "en", "--target-lang", "de",
          "--trainpref", spm_dir / "train", "--validpref", spm_dir / "valid",
          "--testpref", spm_dir / "test", "--destdir", dest, "--joined-dictionary",
          "--workers", "2"])
@@ -183,13 +196,62 @@ def preprocess(spm_dir: Path, out: Path) -> Path:
     return dest
 
 
-def train_command(args, data_bin: Path, save_dir: Path) -> List[str]:
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(choice: str, has_cuda=cuda_available) -> str:
+    """``cpu`` or ``cuda`` for ``--device``: ``auto`` is ``cuda`` when torch sees a GPU;
+    ``cuda`` without one stops with one line (before anything is made)."""
+    if choice == "cpu":
+        return "cpu"
+    if has_cuda():
+        return "cuda"
+    if choice == "cuda":
+        import torch
+
+        raise SystemExit(
+            f"[demo] --device cuda: torch {torch.__version__} in {sys.executable} sees no CUDA "
+            "GPU (torch.cuda.is_available() is False); use --device cpu, or --device auto "
+            "(the default), which takes the GPU when there is one")
+    return "cpu"
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model name (for results.json: figures with hardware)."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    import platform
+
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def device_flags(device: str) -> List[str]:
+    # one GPU, so the batch per update is the CPU recipe's (fairseq would otherwise train
+    # data-parallel on every visible GPU)
+    return ["--cpu"] if device == "cpu" else ["--distributed-world-size", "1"]
+
+
+def train_command(args, data_bin: Path, save_dir: Path, device: str = "cpu") -> List[str]:
     scheme = SCHEMES[args.scheme]
     # a scheme may bring its own optimizer (admin-paper: RAdam, as Transformer-Clinic)
     optimizer = [] if "--optimizer" in scheme else ["--optimizer", "adam"]
     return [
-        bin_path("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
-        "--arch", "admin_transformer", "--cpu", "--seed", str(args.seed),
+        *tool("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
+        "--arch", "admin_transformer", *device_flags(device), "--seed", str(args.seed),
         "--encoder-layers", str(args.encoder_layers), "--decoder-layers", str(args.decoder_layers),
         "--encoder-embed-dim", str(args.dim), "--decoder-embed-dim", str(args.dim),
         "--encoder-ffn-embed-dim", str(4 * args.dim), "--decoder-ffn-embed-dim", str(4 * args.dim),
@@ -247,7 +309,8 @@ def compare(out: Path) -> None:
         r = json.loads(path.read_text())
         rows.append(f"  {r.get('scheme', path.parent.name):<12} {r['arch']:<28} "
                     f"valid nll {r.get('valid_nll_bits', float('nan')):6.3f} bits   "
-                    f"sacreBLEU {r['bleu']:6.2f}   train {r['train_seconds']:.0f}s")
+                    f"sacreBLEU {r['bleu']:6.2f}   train {r['train_seconds']:.0f}s "
+                    f"({r.get('device', 'cpu')})")
     if len(rows) > 1:
         print("\nEvery scheme run in " + str(out) + ":\n" + "\n".join(rows))
 
@@ -265,16 +328,22 @@ def last_valid_nll(log_file: Path) -> float:
     return value
 
 
-def generate_and_score(args, data_bin: Path, raw: Path, ckpt: Path, out: Path) -> dict:
+def generate_command(data_bin: Path, ckpt: Path, device: str = "cpu") -> List[str]:
+    return [*tool("fairseq-generate"), data_bin, "--user-dir", PKG_DIR, "--path", ckpt,
+            "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--batch-size", "64",
+            # Multi30k targets are at most ~1.2x the source; fairseq's default 200 tokens would
+            # let an undertrained model babble for minutes
+            "--max-len-a", "1.2", "--max-len-b", "10",
+            "--remove-bpe", "sentencepiece", *(["--cpu"] if device == "cpu" else []),
+            "--num-workers", "0"]
+
+
+def generate_and_score(args, data_bin: Path, raw: Path, ckpt: Path, out: Path,
+                       device: str = "cpu") -> dict:
     import sacrebleu
 
     gen_out = out / "generate-test.txt"
-    cmd = [bin_path("fairseq-generate"), data_bin, "--user-dir", PKG_DIR, "--path", ckpt,
-           "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--batch-size", "64",
-           # Multi30k targets are at most ~1.2x the source; fairseq's default 200 tokens would
-           # let an undertrained model babble for minutes
-           "--max-len-a", "1.2", "--max-len-b", "10",
-           "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", "0"]
+    cmd = generate_command(data_bin, ckpt, device)
     print("+ " + " ".join(map(str, cmd)) + f" > {gen_out}", flush=True)
     t0 = time.time()
     with open(gen_out, "w") as fh:
@@ -302,7 +371,7 @@ def generate_and_score(args, data_bin: Path, raw: Path, ckpt: Path, out: Path) -
             "test_sentences": len(refs)}
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", type=Path, default=None,
                    help="folder with Multi30k raw files (train/val/test_2016_flickr .en/.de, "
@@ -326,6 +395,14 @@ def main(argv=None) -> None:
     p.add_argument("--save-interval-updates", type=int, default=200,
                    help="checkpoint every N updates, so an interrupted demo resumes (default 200)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto (default): the GPU when torch sees one, else the CPU; cpu; cuda "
+                   "(refused when there is no CUDA GPU). Same recipe either way")
+    return p
+
+
+def main(argv=None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("encoder_layers", "decoder_layers", "dim", "vocab", "max_update", "max_tokens"):
         if getattr(args, name) <= 0:
@@ -336,10 +413,11 @@ def main(argv=None) -> None:
         log(f"--data {args.data} is not a folder; Multi30k will be downloaded")
         args.data = None
 
+    device = resolve_device(args.device)  # before anything is made
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    log(f"writing everything under {out}")
+    log(f"writing everything under {out}; device: {device} ({device_name(device)})")
     t_start = time.time()
     raw = find_raw(args.data.resolve() if args.data else None, out,
                    os.environ.get("MULTI30K_BASE_URL", DEFAULT_BASE_URL))
@@ -350,10 +428,12 @@ def main(argv=None) -> None:
     check_run_settings(run_dir, args)
     save_dir = run_dir / "checkpoints"
     t_train = time.time()
-    run(train_command(args, data_bin, save_dir), log_file=run_dir / "train.log")
+    run(train_command(args, data_bin, save_dir, device), log_file=run_dir / "train.log")
     train_seconds = time.time() - t_train
-    result = generate_and_score(args, data_bin, raw, save_dir / "checkpoint_last.pt", run_dir)
+    result = generate_and_score(args, data_bin, raw, save_dir / "checkpoint_last.pt", run_dir,
+                                device)
     result.update({
+        "device": device, "device_name": device_name(device),
         "scheme": args.scheme, "scheme_flags": " ".join(SCHEMES[args.scheme]),
         "arch": f"admin_transformer {args.encoder_layers}L-{args.decoder_layers}L d={args.dim}",
         "max_update": args.max_update, "valid_nll_bits": last_valid_nll(run_dir / "train.log"),

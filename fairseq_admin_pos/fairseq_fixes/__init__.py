@@ -2,5 +2,7 @@
 
 * :mod:`.checkpoint_compat`: torch >= 2.6 loads fairseq checkpoints with ``weights_only=True``;
 * :mod:`.cli_help`: ``fairseq-train --help`` lists the model's flags;
-* :mod:`.batching_fix`: batching no longer drops the last sentences of a split.
+* :mod:`.batching_fix`: batching no longer drops the last sentences of a split;
+* :mod:`.flag_errors`: a bad model flag is one ``<prog>: error:`` line (exit status 2), not a
+  traceback, found before fairseq makes the save directory.
 """

@@ -63,6 +63,7 @@ from fairseq import utils
 from fairseq.distributed import utils as distributed_utils
 
 from fairseq_admin_pos import profiling
+from fairseq_admin_pos.fairseq_fixes.flag_errors import AdminFlagError
 from fairseq_admin_pos.profiling import PROFILE_MODES
 
 logger = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def profile_mode(cfg) -> Optional[str]:
     if mode is None:
         return PROFILE_MODES[0]
     if mode not in PROFILE_MODES:
-        raise ValueError(
+        raise AdminFlagError(
             f"--admin-profile-mode {mode!r} is not valid; valid choices: {', '.join(PROFILE_MODES)}"
         )
     return mode
@@ -148,7 +149,7 @@ def check_profile_flags(args) -> None:
     saved config records the mode used."""
     k = getattr(args, "admin_profile_batches", None)
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"--admin-profile-batches must be a positive integer; got {k!r}")
+        raise AdminFlagError(f"--admin-profile-batches must be a positive integer; got {k!r}")
     mode = profile_mode(args)
     if mode is None:
         given = [
@@ -163,14 +164,14 @@ def check_profile_flags(args) -> None:
             if value is not None
         ]
         if given:
-            raise ValueError(
+            raise AdminFlagError(
                 f"{', '.join(given)} only apply to --admin-init profile (got --admin-init "
                 f"{getattr(args, 'admin_init', None)})"
             )
         return
     args.admin_profile_mode = mode
     if mode == "clinic" and (k or 1) > 1:
-        raise ValueError(
+        raise AdminFlagError(
             f"--admin-profile-batches {k} cannot be combined with --admin-profile-mode clinic: "
             "the clinic mode writes each omega into the model as the pass reaches it, so "
             "every later statistic depends on the earlier omegas of the same pass, and K "
@@ -181,12 +182,12 @@ def check_profile_flags(args) -> None:
     for side in ("encoder", "decoder"):
         n = getattr(args, f"{side}_layers", None)
         if n is not None and n < 1:
-            raise ValueError(
+            raise AdminFlagError(
                 f"--admin-init profile needs at least one layer per stack (one omega per "
                 f"residual sub-layer); got --{side}-layers {n}"
             )
     if getattr(args, "store_ema", False):
-        raise ValueError(
+        raise AdminFlagError(
             "--admin-init profile cannot be combined with --store-ema: fairseq copies the "
             "model for the EMA when the trainer is built, i.e. before the omegas are "
             "profiled on the first batch"

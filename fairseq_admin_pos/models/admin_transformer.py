@@ -55,8 +55,8 @@ when fairseq casts the model and the residual sum is computed in float32
 and its final LayerNorm are float32 whatever the model dtype.
 
 The settings are stored in the model's state dict (``_extra_state``); loading a checkpoint
-whose settings differ from the flags given raises a ``ValueError`` that names them, instead of
-silently running with other omegas or positions.
+whose settings differ from the flags given raises an ``AdminFlagError`` (a ``ValueError``)
+that names them, instead of silently running with other omegas or positions.
 """
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from fairseq_admin_pos.admin import calculate_init
+from fairseq_admin_pos.fairseq_fixes.flag_errors import AdminFlagError
 from fairseq_admin_pos.models import admin_profile
 from fairseq_admin_pos.models import config as model_config
 from fairseq_admin_pos.models.b2t_resi_dual import (
@@ -131,7 +132,7 @@ def _choice(cfg, name: str, choices) -> str:
     value = getattr(cfg, name, None)
     if value not in choices:
         flag = "--" + name.replace("_", "-")
-        raise ValueError(f"{flag} {value!r} is not valid; valid choices: {', '.join(choices)}")
+        raise AdminFlagError(f"{flag} {value!r} is not valid; valid choices: {', '.join(choices)}")
     return value
 
 
@@ -165,9 +166,9 @@ def check_layer_counts(args) -> None:
         if n is None:
             continue
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"--{side}-layers must be a non-negative integer; got {n!r}")
+            raise AdminFlagError(f"--{side}-layers must be a non-negative integer; got {n!r}")
         if n == 0 and residual_scheme(args) == "deepnorm":
-            raise ValueError(
+            raise AdminFlagError(
                 f"--{side}-layers 0 cannot be combined with --admin-residual deepnorm: DeepNet's "
                 "constants (N^4 M)^(1/16) need at least one encoder and one decoder layer"
             )
@@ -352,17 +353,17 @@ def resolve_position_flags(args) -> None:
         if choice is None:
             choice = "none" if no_pos else ("learned" if learned else "sinusoidal")
         elif choice not in POS_EMB_CHOICES:
-            raise ValueError(
+            raise AdminFlagError(
                 f"--{side}-pos-emb {choice!r} is not valid; valid choices: "
                 f"{', '.join(POS_EMB_CHOICES)}"
             )
         if no_pos and choice != "none":
-            raise ValueError(
+            raise AdminFlagError(
                 f"--no-token-positional-embeddings contradicts --{side}-pos-emb {choice}; "
                 f"use --{side}-pos-emb none (or drop one of the two flags)"
             )
         if learned and choice != "learned":
-            raise ValueError(
+            raise AdminFlagError(
                 f"--{side}-learned-pos contradicts --{side}-pos-emb {choice}; "
                 f"use --{side}-pos-emb learned (or drop one of the two flags)"
             )
@@ -387,7 +388,7 @@ def resolve_scaled_position_flags(args) -> None:
                  f"--pos-emb-scale-init {scale}" if scale is not None else None]
         given = [g for g in given if g]
         if given:
-            raise ValueError(
+            raise AdminFlagError(
                 f"{' and '.join(given)} only apply to scaled-sinusoid positions, but "
                 f"--encoder-pos-emb is {args.encoder_pos_emb} and --decoder-pos-emb is "
                 f"{args.decoder_pos_emb}; use --encoder-pos-emb/--decoder-pos-emb "
@@ -399,14 +400,14 @@ def resolve_scaled_position_flags(args) -> None:
     if table is None:
         table = "interleaved"
     elif table not in SCALED_TABLES:
-        raise ValueError(
+        raise AdminFlagError(
             f"--pos-emb-scaled-table {table!r} is not valid; valid choices: "
             f"{', '.join(SCALED_TABLES)}"
         )
     if scale is not None:
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
                 or not math.isfinite(scale):
-            raise ValueError(f"--pos-emb-scale-init must be a finite number; got {scale!r}")
+            raise AdminFlagError(f"--pos-emb-scale-init must be a finite number; got {scale!r}")
         scale = float(scale)
     args.pos_emb_scaled_table = table
     args.pos_emb_scale_init = scale
@@ -417,11 +418,11 @@ def check_compile_flags(args) -> None:
     checkpointing wraps them in a function that recomputes the forward, which the compiled
     layers do not support."""
     if args.admin_compile not in speed_compile.COMPILE_CHOICES:
-        raise ValueError(f"--admin-compile {args.admin_compile!r} is not valid; valid choices: "
+        raise AdminFlagError(f"--admin-compile {args.admin_compile!r} is not valid; valid choices: "
                          f"{', '.join(speed_compile.COMPILE_CHOICES)}")
     if args.admin_compile == "layers" and (getattr(args, "checkpoint_activations", False)
                                            or getattr(args, "offload_activations", False)):
-        raise ValueError(
+        raise AdminFlagError(
             "--admin-compile layers cannot be combined with --checkpoint-activations / "
             "--offload-activations; use one of the two (--admin-compile none keeps "
             "activation checkpointing)"
@@ -439,7 +440,7 @@ def check_normalize_before(args) -> None:
         if on
     ]
     if pre_ln and args.admin_init != "none":
-        raise ValueError(
+        raise AdminFlagError(
             f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-init "
             f"{args.admin_init}: Admin rescales the shortcut of Post-LN layers. For the Pre-LN "
             "baseline use --admin-init none."
@@ -455,14 +456,14 @@ def check_residual_scheme(args) -> None:
     if scheme == "admin":
         return
     if args.admin_init != "none":
-        raise ValueError(
+        raise AdminFlagError(
             f"--admin-residual {scheme} sets its own shortcut weights; it cannot be combined "
             f"with --admin-init {args.admin_init} (valid with {scheme}: --admin-init none, "
             f"the default for {scheme}; drop --admin-init), or use --admin-residual admin "
             "for Admin's omegas"
         )
     if args.admin_omega != "buffer":
-        raise ValueError(
+        raise AdminFlagError(
             f"--admin-omega {args.admin_omega} is Admin's trainable omega and does not apply "
             f"to --admin-residual {scheme} (DeepNorm's alpha is a constant, ReZero's scalar is "
             "always trained, B2T and ResiDual add the plain shortcut x); valid with "
@@ -478,11 +479,33 @@ def check_residual_scheme(args) -> None:
     ]
     if pre_ln:
         kind = "has no sub-layer LayerNorm" if scheme == "rezero" else "is a Post-LN scheme"
-        raise ValueError(
+        raise AdminFlagError(
             f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-residual "
             f"{scheme}: {scheme} {kind}. For the Pre-LN baseline use --admin-residual admin "
             "--admin-init none"
         )
+
+
+def prepare_args(args):
+    """The namespace ``build_model`` builds from: hydra's model section converted
+    (models/config.py), the architecture's defaults applied, the position flags resolved and
+    every plugin flag checked. A bad value or combination raises
+    :class:`~fairseq_admin_pos.fairseq_fixes.flag_errors.AdminFlagError` naming the flags
+    (fairseq's tools print it as one line; they also run this on a copy of the configuration
+    before anything else, see ``flag_errors.preflight``)."""
+    if OmegaConf.is_config(args):
+        # fairseq-hydra-train's model section (or a checkpoint it wrote): the namespace
+        # fairseq-train would have built, architecture defaults applied (models/config.py)
+        args = model_config.namespace_from_config(args, AdminTransformerConfig)
+    admin_base_architecture(args)
+    resolve_position_flags(args)
+    admin_settings(args)  # validates every choice with a message naming the flag
+    check_layer_counts(args)
+    check_normalize_before(args)
+    check_residual_scheme(args)
+    admin_profile.check_profile_flags(args)
+    check_compile_flags(args)
+    return args
 
 
 @register_model("admin_transformer")
@@ -586,18 +609,7 @@ class AdminTransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, args, task):
-        if OmegaConf.is_config(args):
-            # fairseq-hydra-train's model section (or a checkpoint it wrote): the namespace
-            # fairseq-train would have built, architecture defaults applied (models/config.py)
-            args = model_config.namespace_from_config(args, AdminTransformerConfig)
-        admin_base_architecture(args)
-        resolve_position_flags(args)
-        admin_settings(args)  # validates every choice with a message naming the flag
-        check_layer_counts(args)
-        check_normalize_before(args)
-        check_residual_scheme(args)
-        admin_profile.check_profile_flags(args)
-        check_compile_flags(args)
+        args = prepare_args(args)
         model = super().build_model(args, task)
         model.admin_settings = admin_settings(args)
         if args.admin_init == "profile":
@@ -640,10 +652,11 @@ class AdminTransformerModel(TransformerModel):
             if k in saved and saved[k] != current[k]
         ]
         if diffs:
-            raise ValueError(
+            raise AdminFlagError(
                 "admin_transformer checkpoint was trained with other omega/position settings "
                 "than the flags given (" + "; ".join(diffs) + "). Pass the checkpoint's "
-                "settings, or start a new run instead of --restore-file/resume."
+                "settings, or start a new run instead of --restore-file/resume (fairseq-generate: "
+                "leave them out of --model-overrides)."
             )
 
 

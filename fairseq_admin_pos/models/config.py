@@ -47,6 +47,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fairseq.dataclass import FairseqDataclass
 
+from fairseq_admin_pos.fairseq_fixes.flag_errors import AdminFlagError
+
 #: config groups whose ``_name`` is a flag of its own in fairseq-train's namespace
 _REGISTRY_GROUPS = ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer",
                     "scoring")
@@ -124,7 +126,7 @@ def _model_settings(model_cfg: DictConfig, dc: type, arch_fn: Callable) -> Dict[
         if key not in fields and key not in arch_keys:
             close = difflib.get_close_matches(key, list(fields), n=3)
             hint = f"; did you mean {' or '.join('model.' + c for c in close)}?" if close else "."
-            raise ValueError(
+            raise AdminFlagError(
                 f"model.{key} is not a setting of admin_transformer{hint} Its settings are "
                 "the flags of `fairseq-train --arch admin_transformer --help` with '-' "
                 "written '_' (e.g. --admin-init -> model.admin_init)."
@@ -133,7 +135,7 @@ def _model_settings(model_cfg: DictConfig, dc: type, arch_fn: Callable) -> Dict[
     for key, value in typed.items():
         choices = fields[key].metadata.get("choices")
         if choices is not None and value not in choices:
-            raise ValueError(
+            raise AdminFlagError(
                 f"model.{key}={value!r} ({_flag(dc, key)}) is not valid; valid choices: "
                 f"{', '.join(map(str, choices))}"
             )
@@ -143,7 +145,7 @@ def _model_settings(model_cfg: DictConfig, dc: type, arch_fn: Callable) -> Dict[
         key = str(getattr(e, "key", None) or getattr(e, "full_key", "?"))
         msg = str(e).splitlines()[0]
         flag = f" ({_flag(dc, key)})" if key in fields else ""
-        raise ValueError(f"model.{key}={typed.get(key)!r}{flag}: {msg}") from None
+        raise AdminFlagError(f"model.{key}={typed.get(key)!r}{flag}: {msg}") from None
     return {k: (merged[k] if k in fields else v) for k, v in given.items()}
 
 
@@ -160,7 +162,7 @@ def namespace_from_config(model_cfg: DictConfig, dc: type) -> argparse.Namespace
     arch = model_cfg.get("_name") or model_cfg.get("arch")
     if arch not in ARCH_CONFIG_REGISTRY:
         valid = ", ".join(ARCH_MODEL_INV_REGISTRY.get("admin_transformer", []))
-        raise ValueError(f"model._name={arch!r} is not an admin_transformer architecture; "
+        raise AdminFlagError(f"model._name={arch!r} is not an admin_transformer architecture; "
                          f"valid choices: {valid}")
     arch_fn = ARCH_CONFIG_REGISTRY[arch]
     settings = _run_settings(model_cfg)
