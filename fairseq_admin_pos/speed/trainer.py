@@ -55,53 +55,62 @@ class ForeachAdam(FairseqTorchAdam):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not self._foreach_applies():
+        buckets = self._buckets()
+        if buckets is None:
             return super().step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        buckets: Dict[Tuple[int, int], Tuple[List[Tensor], ...]] = defaultdict(
-            lambda: ([], [], [], []))
-        for index, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p.data)
-                    state["exp_avg_sq"] = torch.zeros_like(p.data)
-                else:
-                    for key in ("exp_avg", "exp_avg_sq"):  # fairseq's .to(p_data_fp32)
-                        if state[key].device != p.device or state[key].dtype != p.dtype:
-                            state[key] = state[key].to(p.data)
-                state["step"] += 1
-                bucket = buckets[(index, state["step"])]
-                bucket[0].append(p.data)
-                bucket[1].append(p.grad.data)
-                bucket[2].append(state["exp_avg"])
-                bucket[3].append(state["exp_avg_sq"])
-        for (index, step), (params, grads, exp_avgs, exp_avg_sqs) in buckets.items():
-            group = self.param_groups[index]
+        for group, step, params, grads, exp_avgs, exp_avg_sqs in buckets:
             beta1, beta2 = group["betas"]
             foreach.adam_step_(params, grads, exp_avgs, exp_avg_sqs, step=step,
                                lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                weight_decay=group["weight_decay"])
         return loss
 
-    def _foreach_applies(self) -> bool:
+    def _buckets(self) -> Optional[List[tuple]]:
+        """``[(group, step, params, grads, exp_avgs, exp_avg_sqs)]`` with the step counts
+        already advanced, or ``None`` (nothing touched) when fairseq's loop must run. Written
+        as list operations over a group's parameters: the per-parameter Python work is what
+        the multi-tensor step saves."""
+        f32 = torch.float32
+        plans = []
         for group in self.param_groups:
             if group.get("amsgrad", False):
-                return False
-            for p in group["params"]:
-                g = p.grad
-                if g is None:
-                    continue
-                if p.dtype != torch.float32 or g.dtype != torch.float32 or g.is_sparse \
-                        or g.device != p.device:
-                    return False
-        return True
+                return None
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            if not all(p.dtype == f32 and g.dtype == f32 and not g.is_sparse
+                       and g.device == p.device for p, g in zip(params, grads)):
+                return None
+            plans.append((group, params, grads))
+        buckets = []
+        for group, params, grads in plans:
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if len(state) == 0:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+            for state in states:
+                state["step"] += 1
+            # states loaded from a checkpoint are cast to their parameter's dtype and device
+            # by torch's load_state_dict, as fairseq's .to(p_data_fp32) would
+            by_step: Dict[int, List[int]] = defaultdict(list)
+            for i, state in enumerate(states):
+                by_step[state["step"]].append(i)
+            for step, index in by_step.items():
+                if len(index) == len(states):  # the usual case: one step count
+                    pick = states
+                    bucket_params, bucket_grads = params, grads
+                else:
+                    pick = [states[i] for i in index]
+                    bucket_params = [params[i] for i in index]
+                    bucket_grads = [grads[i] for i in index]
+                buckets.append((group, step, bucket_params, bucket_grads,
+                                [st["exp_avg"] for st in pick], [st["exp_avg_sq"] for st in pick]))
+        return buckets
 
 
 def _fast_clip_grad_norm(self: FairseqOptimizer, max_norm, aggregate_norm_fn=None, *,
