@@ -340,6 +340,7 @@ def small_checkpoints(tiny_data, tmp_path_factory):
     (["{ckpt}", "--out", "{tmp}/nowhere/x.pt"], "--out {tmp}/nowhere/x.pt: folder"),
     (["{stock}", "--out", "{out}"], "holds a 'transformer' model; fairseq-admin-export "
                                     "exports admin_transformer checkpoints"),
+    (["{tmp}/full/keep", "--out", "{out}"], "CHECKPOINT {tmp}/full/keep is not a checkpoint"),
 ])
 def test_argument_errors(small_checkpoints, tmp_path, capsys, args, message):
     ckpt = tmp_path / "ck.pt"

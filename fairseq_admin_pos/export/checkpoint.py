@@ -34,9 +34,11 @@ import argparse
 import enum
 import numbers
 import os
+import pickle
 import shutil
 import tempfile
 import warnings
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +181,10 @@ def _check_supported(model_args, layout: ModelLayout, state: Dict[str, torch.Ten
         raise NotExportable("--cross-self-attention with --admin-omega parameter: the decoder "
                             "self-attention's k/v also read the encoder output, so 1/omega "
                             "cannot be folded into them")
+    if vector and on("adaptive_softmax_cutoff"):
+        raise NotExportable("--adaptive-softmax-cutoff with --admin-omega parameter is not "
+                            "supported by the export (the folded decoder table would need its "
+                            "own adaptive softmax weights)")
     if vector and getattr(model_args, "decoder_input_dim", None) not in (
             None, getattr(model_args, "decoder_embed_dim", None)):
         raise NotExportable("--decoder-input-dim different from --decoder-embed-dim with "
@@ -227,7 +233,17 @@ def _load_original(path: Path, data: Optional[str]):
     from fairseq import checkpoint_utils
 
     fairseq_admin_pos.register()
-    raw = torch.load(path, map_location="cpu")
+    if not zipfile.is_zipfile(path):
+        raise ExportError(f"CHECKPOINT {path} is not a checkpoint (torch.save writes a zip "
+                          "archive)")
+    try:
+        raw = torch.load(path, map_location="cpu")
+    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        # torch's weights-only message: the line naming the refused global
+        reason = next((ln for ln in lines if "Unsupported global" in ln),
+                      lines[0] if lines else type(e).__name__)
+        raise ExportError(f"cannot read CHECKPOINT {path}: {reason}") from None
     if not isinstance(raw, dict) or "model" not in raw:
         raise ExportError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
     cfg_model = raw["args"] if raw.get("args") is not None else raw.get("cfg", {}).get("model")
@@ -246,6 +262,8 @@ def _load_original(path: Path, data: Optional[str]):
     except FileNotFoundError as e:
         raise ExportError(f"cannot build the model of {path}: {e}; pass --data with the "
                           "folder holding its dictionaries") from None
+    except ValueError as e:  # the model's own checks of its settings
+        raise ExportError(f"cannot build the model of {path}: {e}") from None
     model = models[0].eval()
     return raw, model, cfg, task
 
