@@ -125,24 +125,39 @@ def profiled_omegas(runs):
     return {k: float(v) for k, v in state.items() if k.endswith(".omega")}
 
 
-def test_loads_weights_only_without_the_package(runs, exported):
+def test_loads_weights_only_without_the_package(tiny_data, runs, exported):
     """A fresh interpreter: torch.load with its defaults (weights_only=True on torch 2.13),
-    no allow-list, the package never imported; the config is plain containers."""
+    no allow-list, the package never imported; the config is plain containers, the data
+    path the original's."""
     code = ("import sys, torch\n"
-            "for path in sys.argv[1:]:\n"
+            "for path in sys.argv[2:]:\n"
             "    s = torch.load(path)\n"
             "    assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []\n"
             "    m = s['cfg']['model']\n"
+            "    assert m['data'] == m.data == s['cfg']['task']['data'] == sys.argv[1]\n"
             "    print(m['_name'], m.arch, m.user_dir, sorted(k for k in m if k.startswith("
             "('admin', 'pos_emb')) or k.endswith('pos_emb')), 'last_optimizer_state' in s)\n"
             "assert 'fairseq_admin_pos' not in sys.modules\n")
     e = env()
     e.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, "-c", code, str(runs / "admin.pt"),
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_data), str(runs / "admin.pt"),
                            str(runs / "profile.pt")], cwd="/", env=e, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["transformer transformer None [] False"] * 2
+
+
+def test_ctranslate2s_own_converter_reads_the_export(tiny_data, runs, exported, tmp_path):
+    """CTranslate2's console converter in its own process (no user dir, weights_only as
+    CTranslate2 sets it) reads the export and writes the model fairseq-admin-export wrote."""
+    proc = subprocess.run([str(Path(sys.executable).parent / "ct2-fairseq-converter"),
+                           "--model_path", str(runs / "admin.pt"), "--data_dir", str(tiny_data),
+                           "--output_dir", str(tmp_path / "ct2")],
+                          cwd="/", env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("model.bin", "config.json", "shared_vocabulary.json"):
+        assert (tmp_path / "ct2" / name).read_bytes() == \
+            (runs / "admin-ct2" / name).read_bytes(), name
 
 
 @pytest.fixture(scope="module")

@@ -396,7 +396,8 @@ def fold_state_dict(state_dict: Dict[str, Tensor], layout: ModelLayout,
         for stack in layout.stacks():
             if position_kinds[stack.side] == "none":
                 rows = stack.max_positions + stack.padding_idx + 1
-                tables[stack.side] = torch.zeros(rows, stack.embed_dim)
+                tables[stack.side] = torch.zeros(
+                    rows, stack.embed_dim, dtype=sd[f"{stack.side}.embed_tokens.weight"].dtype)
                 position_kinds[stack.side] = "learned"
                 folds.append(f"{stack.side} positions none -> an all-zero learned table")
     for stack in layout.stacks():
