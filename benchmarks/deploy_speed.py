@@ -86,7 +86,10 @@ def run_fairseq(args, checkpoint: Path, plugin: bool) -> (List[str], float):
     cmd = [tool("fairseq-generate"), args.data, "--path", checkpoint, "--gen-subset", "test",
            "--beam", str(BEAM), "--lenpen", str(LENPEN), "--batch-size", str(BATCH),
            "--max-len-a", str(MAX_LEN_A), "--max-len-b", str(MAX_LEN_B),
-           "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", "0"]
+           "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", "0",
+           # stock fairseq's batching drops a split's last (len % 8) sentences; the plugin
+           # fixes that (README, "Fixes to the fairseq we run on"), plain fairseq needs this
+           "--required-batch-size-multiple", "1"]
     if plugin:
         cmd[2:2] = ["--user-dir", REPO / "fairseq_admin_pos"]
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
@@ -102,6 +105,8 @@ def run_fairseq(args, checkpoint: Path, plugin: bool) -> (List[str], float):
     if m is None:
         raise SystemExit("fairseq-generate printed no 'Translated N sentences ... in Xs' line")
     n, seconds = int(m.group(1).replace(",", "")), float(m.group(2))
+    if sorted(hyps) != list(range(len(hyps))):
+        raise SystemExit(f"fairseq-generate {checkpoint}: sentence ids are not 0..N-1")
     return [hyps[i] for i in range(len(hyps))], n / seconds
 
 
