@@ -322,6 +322,8 @@ def fold_state_dict(state_dict: Dict[str, Tensor], layout: ModelLayout,
             for res, norm, out, inputs in _sublayers(stack):
                 kind, value = _residual_weight(sd, lp + res + ".")
                 del sd[f"{lp}{res}.{kind}"]
+                if value.numel() > 1 and bool((value == 1).all()):
+                    value = value.reshape(-1)[:1]  # an untrained vector: nothing to fold
                 if (kind == "omega" and value.numel() == 1 and scalar_fold == "input"
                         and not stack.normalize_before and float(value) != 1.0):
                     value = value.reshape(1).expand(stack.embed_dim)
