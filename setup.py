@@ -30,11 +30,14 @@ setup(
         "test": TEST_REQUIRES,
         "data": ["sentencepiece==0.2.3", "sacremoses==0.2.0", "subword-nmt==0.3.8"],
         "plot": ["matplotlib==3.11.2"],
+        # fairseq-admin-export --ctranslate2 and benchmarks/deploy_speed.py
+        "deploy": ["ctranslate2==4.8.5"],
     },
     entry_points={
         "console_scripts": [
             "fairseq-admin-analyze = fairseq_admin_pos.cli.analyze:cli_main",
             "fairseq-admin-average-checkpoints = fairseq_admin_pos.cli.average_checkpoints:cli_main",
+            "fairseq-admin-export = fairseq_admin_pos.cli.export:cli_main",
         ],
     },
     classifiers=[

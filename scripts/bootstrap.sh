@@ -29,6 +29,8 @@ RUNTIME_PINS=(
   "packaging==26.4" "scikit-learn==1.9.1"
   # tensorboardX (setup.py) asks only for protobuf>=3.20: the version the suite passed with
   "protobuf==7.36.2"
+  # the deploy extra (fairseq-admin-export --ctranslate2): CPU wheels for cp311/cp312 x86_64
+  "ctranslate2==4.8.5"
 )
 
 # A command that fails outside run() (set -e) still names itself before the script stops
