@@ -51,14 +51,14 @@ def train_flops(d: Dims, batch: int, src_len: int, tgt_len: int) -> int:
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
     """Measured FLOP/s of ``size x size`` matrix products in ``dtype`` on ``device``: the
-    best of three timings of ``repeats`` products (CUDA events on a GPU, wall time on a
+    best of five timings of ``repeats`` products (CUDA events on a GPU, wall time on a
     CPU, with the threads torch was given)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     for _ in range(2):
         torch.mm(a, b)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()

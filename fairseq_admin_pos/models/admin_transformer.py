@@ -604,7 +604,8 @@ class AdminTransformerModel(TransformerModel):
             "backward with torch.compile (TorchInductor, dynamic shapes), same module tree "
             "and checkpoints, dropout's random numbers as in eager mode, results equal up to "
             "float rounding; the first update pays the compilation. Validation and generation "
-            "stay eager. Not with --checkpoint-activations. Default: none",
+            "stay eager. Experimental: on a CPU it measured slower than eager (docs/speed.md), "
+            "on a GPU it is not measured yet. Not with --checkpoint-activations. Default: none",
         )
 
     @classmethod
