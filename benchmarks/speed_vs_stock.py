@@ -23,7 +23,8 @@ prints and writes to ``--json``:
 * generation sentences/s (beam 4, exactly 30 steps) when the data has a test split.
 
 Defaults by device. GPU: float16 and bfloat16, 6L-6L and 18L-18L, d=512, FFN 2048, 4 heads,
-8192 tokens, 3 warm-up + 12 timed steps (about three minutes on an H200). CPU: float32,
+8192 tokens, 3 warm-up + 10 timed steps, each variant alone (estimated at about three
+minutes on an H200; not yet run there). CPU: float32,
 6L-6L, d=256, 4096 tokens, all cores. ``--preset tiny`` is the CPU proxy for a
 launch-bound GPU step: 6L-6L, d=16, 4 heads, 256 tokens, one thread, where arithmetic is
 negligible and the host's work per step is what is timed. ``--quick`` is a smoke run.
@@ -52,7 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = ("admin", "admin-buffer", "b2t", "resi-dual")
 PRESETS = {
     "gpu": dict(dtypes="float16,bfloat16", layers="6,18", dim=512, heads=4, max_tokens=8192,
-                warmup=3, steps=12, gen_batches=2, gen_steps=30),
+                warmup=3, steps=10, gen_batches=1, gen_steps=30),
     "cpu": dict(dtypes="float32", layers="6", dim=256, heads=4, max_tokens=4096, warmup=3,
                 steps=12, gen_batches=2, gen_steps=30),
     "tiny": dict(dtypes="float32", layers="6", dim=16, heads=4, max_tokens=256, warmup=5,

@@ -3,9 +3,10 @@
 For each depth, on the same batches:
 
 1. each variant alone (one model alive at a time): build, warm up, count one step with the
-   profiler (:mod:`.probe`), measure peak memory, free it;
-2. all variants together: every batch is timed on each, in rotating order (so a load change
-   on a shared machine, or a GPU's clock, hits all alike); a step is timed from an idle
+   profiler (:mod:`.probe`), measure peak memory, free it; on a GPU, which nothing else
+   shares, the timed steps and generation (3.) run here too, so every model is built once;
+2. on a CPU, which other jobs may share, all variants together: every batch is timed on
+   each, in rotating order (so a load change hits all alike); a step is timed from an idle
    device to an idle device (CUDA events on a GPU, wall time on a CPU); the median is taken;
 3. generation: fairseq's ``SequenceGenerator`` (beam 4, exactly ``--gen-steps`` steps, so
    every model does the same work) on test batches of 64 sentences, when the data has a
@@ -113,18 +114,27 @@ def _timed(step, cuda: bool) -> float:
     return time.perf_counter() - t0
 
 
-def _alone(args, variant: str, layers: int, batches) -> Dict[str, float]:
+def _alone(args, variant: str, layers: int, batches, timed: bool = False) -> Dict:
+    """One variant alone: counts and peak memory; with ``timed`` (a GPU, which nothing else
+    shares) also the step times of every batch after the warm-up and generation."""
     task, model, trainer = build_trainer(args, variant, layers)
     for b in batches[: args.warmup]:
         trainer.train_step([b])
+    out = {}
+    if timed:
+        out["times"] = [_timed(lambda: trainer.train_step([b]), args.cuda)
+                        for b in batches[args.warmup:]]
+        out["gen"] = (_generation(args, {variant: (task, model, trainer)}, [variant])
+                      .get(variant) if args.gen_batches > 0 else None)
     counts = probe.count_step(lambda: trainer.train_step([batches[args.warmup]]), args.cuda)
     peak = probe.peak_memory(
         lambda: trainer.train_step([batches[args.warmup + 1]]), args.cuda, steps=1)
+    out.update(counts, peak_mib=peak / 2 ** 20)
     del task, model, trainer
     gc.collect()
     if args.cuda:
         torch.cuda.empty_cache()
-    return {**counts, "peak_mib": peak / 2 ** 20}
+    return out
 
 
 def _generation(args, built, variants) -> Dict[str, float]:
@@ -174,21 +184,24 @@ def measure_depth(args, layers: int) -> List[Dict]:
     gc.collect()
 
     rows = {v: {"variant": v, "layers": layers, "dtype": args.dtype} for v in variants}
+    times, gen = {}, {}
     for v in _rotated(variants, layers):
-        rows[v].update(_alone(args, v, layers, batches))
+        alone = _alone(args, v, layers, batches, timed=args.cuda)
+        if args.cuda:  # a GPU is not shared: each variant is timed alone, models built once
+            times[v], gen[v] = alone.pop("times"), alone.pop("gen")
+        rows[v].update(alone)
 
-    built = {v: build_trainer(args, v, layers) for v in variants}
-    times = {v: [] for v in variants}
-    for i, b in enumerate(batches):
-        for v in _rotated(variants, i):
-            seconds = _timed(lambda: built[v][2].train_step([b]), args.cuda)
-            if i >= args.warmup:
-                times[v].append(seconds)
-    gen = _generation(args, built, variants) if args.gen_batches > 0 else {}
-    del built
-    gc.collect()
-    if args.cuda:
-        torch.cuda.empty_cache()
+    if not args.cuda:  # a CPU may be shared: every batch on each variant, in rotating order
+        built = {v: build_trainer(args, v, layers) for v in variants}
+        times = {v: [] for v in variants}
+        for i, b in enumerate(batches):
+            for v in _rotated(variants, i):
+                seconds = _timed(lambda: built[v][2].train_step([b]), args.cuda)
+                if i >= args.warmup:
+                    times[v].append(seconds)
+        gen = _generation(args, built, variants) if args.gen_batches > 0 else {}
+        del built
+        gc.collect()
 
     dims = flops.Dims(layers, layers, args.dim, 4 * args.dim, vocab)
     timed = batches[args.warmup:]
