@@ -110,7 +110,8 @@ def run_fairseq(args, checkpoint: Path, plugin: bool) -> (List[str], float):
     return [hyps[i] for i in range(len(hyps))], n / seconds
 
 
-def run_ct2(args, folder: Path, compute_type: str, sources) -> (List[str], float):
+def run_ct2(args, folder: Path, compute_type: str, sources, references
+            ) -> (List[str], float):
     import ctranslate2
 
     from fairseq_admin_pos.export.ct2 import translate
@@ -118,7 +119,9 @@ def run_ct2(args, folder: Path, compute_type: str, sources) -> (List[str], float
     translator = ctranslate2.Translator(str(folder), device="cpu", compute_type=compute_type,
                                         intra_threads=args.threads, inter_threads=1)
     t0 = time.perf_counter()
-    out = translate(translator, sources, BEAM, LENPEN, MAX_LEN_A, MAX_LEN_B, batch_size=BATCH)
+    # the references only order the batches as fairseq-generate orders a split with targets
+    out = translate(translator, sources, BEAM, LENPEN, MAX_LEN_A, MAX_LEN_B, batch_size=BATCH,
+                    references=references)
     seconds = time.perf_counter() - t0
     return [detok(tokens) for tokens, _ in out], len(sources) / seconds
 
@@ -149,11 +152,12 @@ def main(argv=None) -> None:
 
     refs = read_lines(args.demo_out / "raw" / "test_2016_flickr.de")
     sources = [line.split() for line in read_lines(args.demo_out / "spm" / "test.en")]
+    pieces = [line.split() for line in read_lines(args.demo_out / "spm" / "test.de")]
     runners = {
         WAYS[0]: lambda: run_fairseq(args, args.checkpoint, plugin=True),
         WAYS[1]: lambda: run_fairseq(args, paths["stock"], plugin=False),
-        WAYS[2]: lambda: run_ct2(args, paths["ct2"], "float32", sources),
-        WAYS[3]: lambda: run_ct2(args, paths["int8"], "int8", sources),
+        WAYS[2]: lambda: run_ct2(args, paths["ct2"], "float32", sources, pieces),
+        WAYS[3]: lambda: run_ct2(args, paths["int8"], "int8", sources, pieces),
     }
     speeds: Dict[str, List[float]] = {w: [] for w in WAYS}
     outputs: Dict[str, List[str]] = {}

@@ -13,8 +13,9 @@
   and incremental decoding (exact fold: 1e-5; the profiled model's scalar fold: the eps
   tolerance of test_export_fold.py, and 1e-5 with eps / w^2);
 * CTranslate2 (the deploy extra) returns fairseq's beam output with the matched settings of
-  ``fairseq_admin_pos.export.ct2`` on the tiny test set, and its forced-decoding
-  log-probabilities equal fairseq's;
+  ``fairseq_admin_pos.export.ct2`` on the tiny test set (fairseq's forced EOS at the length
+  limit included), and its forced-decoding log-probabilities equal fairseq's; the forced-EOS
+  step and fairseq's batching are also checked on hand-made CTranslate2 results;
 * refused schemes, bad arguments and a CTranslate2 conversion that fails exit non-zero with
   one line and leave no file (nor a temporary one) behind.
 """
@@ -216,10 +217,11 @@ def test_profiled_export_log_probs(tiny_data, runs, exported):
 def test_ctranslate2_gives_fairseqs_beam_output(tiny_raw, runs, plain_generate):
     """Plain fairseq-generate on the export and CTranslate2 with the settings of
     fairseq_admin_pos.export.ct2 (beam 3, lenpen 0.6, at most 30 tokens): every hypothesis
-    that ends before the limit is the same, and CTranslate2's forced-decoding scores of it,
-    length-normalised the fairseq way (EOS counted), equal fairseq's scores (base 2 there).
-    A hypothesis that reaches the limit gets a forced EOS in fairseq, while CTranslate2 makes
-    one more free step: its hypothesis then extends fairseq's by that token."""
+    is the same, those that reach the limit (where fairseq forces EOS and translate() does
+    the same after CTranslate2's search) included, and CTranslate2's forced-decoding scores
+    of it, length-normalised the fairseq way (EOS counted), equal fairseq's scores (base 2
+    there) and, for those that reached the limit, the score translate() reports (the others
+    carry CTranslate2's beam score, renormalised after masking: README)."""
     plain = plain_generate["admin"]
     sources = [line.split() for line in (tiny_raw / "test.src").read_text().splitlines()]
     translator = ctranslate2.Translator(str(runs / "admin-ct2"), device="cpu",
@@ -228,17 +230,87 @@ def test_ctranslate2_gives_fairseqs_beam_output(tiny_raw, runs, plain_generate):
     assert len(ours) == len(plain) == 24
     scored = translator.score_batch(sources, [tokens for tokens, _ in ours])
     at_limit = 0
-    for hyp, (tokens, _), sc in zip(plain, ours, scored):
+    for hyp, (tokens, reported), sc in zip(plain, ours, scored):
         score, text = hyp.split("\t")
-        if len(text.split()) == MAX_LEN_B:
-            at_limit += 1
-            assert tokens[:MAX_LEN_B] == text.split() and len(tokens) == MAX_LEN_B + 1
-            continue
         assert tokens == text.split(), (hyp, tokens)
         n = len(tokens) + 1  # with EOS
         assert len(sc.log_probs) == n
-        assert abs(sum(sc.log_probs) / n ** LENPEN / math.log(2) - float(score)) < 1e-4
-    assert at_limit <= 2
+        normalised = sum(sc.log_probs) / n ** LENPEN
+        assert abs(normalised / math.log(2) - float(score)) < 1e-4
+        if len(tokens) == MAX_LEN_B:  # scored by translate() through forced decoding
+            at_limit += 1
+            assert abs(normalised - reported) < 1e-4
+    # the tiny model runs away on some sentences: the forced-EOS path is exercised
+    assert at_limit >= 1
+
+
+def test_forced_eos_is_fairseqs_last_step():
+    """translate()'s fairseq last step on hand-made CTranslate2 results (a stand-in
+    translator with fixed log-probabilities). Limit 3 = max_len 2 + 1. A best hypothesis
+    that reached the limit loses its free token, the same search stopped one step earlier
+    adds the live beams, and every candidate gets EOS and fairseq's normalised score: the
+    winner can be a live beam only the earlier search shows (s1) or a hypothesis that
+    finished before the limit (s3). A best that finished with EOS (s2) is returned as it
+    is, without a second search or forced decoding."""
+    from types import SimpleNamespace
+
+    lp = {("a",): [-1.0, -0.5], ("a", "b"): [-1.0, -0.2, -3.0], ("c", "d"): [-0.3, -0.3, -3.0],
+          ("e", "f"): [-0.2, -0.2, -0.2]}
+    searches = {  # (source, limit) -> CTranslate2's hypotheses and scores, EOS returned
+        ("s1", 3): [["a", "b", "x"], ["a", "b", "z"], ["a", "</s>"]],
+        ("s1", 2): [["a", "b"], ["e", "f"], ["a", "</s>"]],
+        ("s2", 3): [["c", "</s>"], ["a", "b", "x"], ["a", "</s>"]],
+        ("s3", 3): [["a", "b", "x"], ["a", "</s>"], ["c", "d", "y"]],
+        ("s3", 2): [["a", "b"], ["a", "</s>"], ["c", "d"]],
+    }
+
+    class Stub:
+        def __init__(self):
+            self.calls, self.scored = [], []
+
+        def translate_batch(self, batch, max_decoding_length, **kw):
+            assert kw["return_end_token"] and kw["num_hypotheses"] == 3
+            self.calls.append((max_decoding_length, [s for s, in batch]))
+            return [SimpleNamespace(hypotheses=searches[s, max_decoding_length],
+                                    scores=[-0.1, -0.2, -0.3]) for s, in batch]
+
+        def score_batch(self, sources, targets):
+            self.scored += [tuple(t) for t in targets]
+            return [SimpleNamespace(log_probs=lp[tuple(t)]) for t in targets]
+
+    stub = Stub()
+    out = translate(stub, [["s1"], ["s2"], ["s3"]], beam=3, lenpen=0.6, max_len_b=2)
+    assert stub.calls == [(3, ["s1", "s2", "s3"]), (2, ["s1", "s3"])]
+    assert out[0][0] == ["e", "f"] and out[0][1] == pytest.approx(-0.6 / 3 ** 0.6)
+    assert out[1] == (["c"], -0.1)
+    # "a </s>" -1.5 / 2**0.6 beats "a b </s>" -4.2 / 3**0.6 and "c d </s>" -3.6 / 3**0.6
+    assert out[2][0] == ["a"] and out[2][1] == pytest.approx(-1.5 / 2 ** 0.6)
+    assert stub.scored == [("a", "b"), ("a",), ("e", "f"), ("a", "b"), ("a",), ("c", "d")]
+
+
+@pytest.mark.parametrize("references, batches", [
+    (None, [["x", "y"], ["z"]]),
+    ([["r"] * 3, ["r"], ["r"] * 2], [["y", "z"], ["x"]]),
+])
+def test_translate_batches_like_fairseq(references, batches):
+    """Sentences of one source length go into batches in input order, as
+    fairseq-interactive batches them, or by reference length, as fairseq-generate batches a
+    split with targets (the batch sets the length limit); a reference count that does not
+    match is refused."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Stub:
+        def translate_batch(self, batch, **kw):
+            seen.append([s for s, in batch])
+            return [SimpleNamespace(hypotheses=[[s, "</s>"]], scores=[-1.0]) for s, in batch]
+
+    out = translate(Stub(), [["x"], ["y"], ["z"]], beam=1, lenpen=1.0, batch_size=2,
+                    references=references)
+    assert seen == batches and [tokens for tokens, _ in out] == [["x"], ["y"], ["z"]]
+    with pytest.raises(ValueError, match="2 references for 3 sources"):
+        translate(Stub(), [["x"], ["y"], ["z"]], beam=1, lenpen=1.0, references=[["r"]] * 2)
 
 
 def test_ctranslate2_int8(tiny_raw, runs, exported, tmp_path, capsys):

@@ -16,9 +16,24 @@ How ``fairseq-generate --beam K --lenpen L --max-len-a A --max-len-b B`` (fairse
   ``S`` being the *batch's* padded source length with its EOS; CTranslate2 makes at most
   ``max_decoding_length`` steps, EOS included, and at the last step keeps whatever token
   scored best. ``max_decoding_length = max_len + 1`` gives both the same limit; the
-  outputs agree exactly where no hypothesis reaches it (fairseq's forced EOS has no
-  CTranslate2 counterpart). :func:`translate` sorts sentences by length and gives each
-  batch the limit fairseq would give it.
+  searches are the same up to the last step. :func:`translate` sorts sentences by length
+  and gives each batch the limit fairseq would give it.
+* **forced EOS** (no CTranslate2 counterpart): at that last step fairseq scores each of the
+  K live hypotheses with EOS appended, CTranslate2 keeps the K best free continuations.
+  Where CTranslate2's best hypothesis ended with EOS the two agree: a forced hypothesis
+  scores at most what the same beam's best continuation scores (same length, and EOS is one
+  of the continuations), and every continuation of a beam CTranslate2 dropped scores below
+  the ones it kept. Where its best reached the limit, :func:`translate` does fairseq's
+  last step afterwards. The live beams are what the same search stopped one step earlier
+  (``max_decoding_length = max_len``) returns without EOS: CTranslate2 keeps the K best
+  candidates of that step, fairseq's live beams are the K best that are not EOS, the same
+  set unless one of the K was EOS. Those, the finished hypotheses of both searches and the
+  reached-limit hypotheses cut to ``max_len`` tokens are rescored with EOS appended by
+  forced decoding (``score_batch``: fairseq's log-probabilities, CTranslate2 appending EOS)
+  and ranked as fairseq ranks them. What can still differ: a live beam that ranked below K
+  at the step before the limit, and a hypothesis finished earlier that neither search
+  returned (each returns K); on the demo's test set (README) no sentence was left with a
+  difference at the limit.
 * **padding**: fairseq never generates ``<pad>`` (its log-probability is set to -inf);
   CTranslate2's converter renames it ``<blank>``, which ``suppress_sequences`` disables.
 * **input**: fairseq appends EOS to the source and starts the target with EOS; the
@@ -26,12 +41,14 @@ How ``fairseq-generate --beam K --lenpen L --max-len-a A --max-len-b B`` (fairse
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = ["max_decoding_length", "translate"]
 
 #: the converter's name for fairseq's <pad> (ctranslate2.converters.fairseq._get_vocab)
 CT2_PAD = "<blank>"
+#: fairseq's EOS, which the converter keeps as the end token
+EOS = "</s>"
 
 
 def max_decoding_length(source_len: int, max_len_a: float, max_len_b: int) -> int:
@@ -42,20 +59,67 @@ def max_decoding_length(source_len: int, max_len_a: float, max_len_b: int) -> in
 
 
 def translate(translator, sources: Sequence[Sequence[str]], beam: int, lenpen: float,
-              max_len_a: float = 0.0, max_len_b: int = 200, batch_size: int = 64
+              max_len_a: float = 0.0, max_len_b: int = 200, batch_size: int = 64,
+              references: Optional[Sequence[Sequence[str]]] = None
               ) -> List[Tuple[List[str], float]]:
     """``(tokens, score)`` per source, in input order: CTranslate2's best hypothesis with
-    fairseq-generate's settings (module docstring); ``score`` is the length-normalised
-    natural-log score."""
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    fairseq-generate's settings, fairseq's forced EOS done afterwards where the best
+    reached the length limit (module docstring); ``score`` is the length-normalised
+    natural-log score (with EOS counted).
+
+    Batches are fairseq's (``--batch-size``, no ``--max-tokens``): sentences sorted by
+    source length, ties in input order (fairseq-interactive, and fairseq-generate on a split
+    without targets), or, given the tokenised ``references``, ties by reference length
+    first (fairseq-generate on a split with targets, ``LanguagePairDataset.ordered_indices``).
+    The batch decides the length limit, so this matters only where a hypothesis reaches it.
+    """
+    if references is not None and len(references) != len(sources):
+        raise ValueError(f"{len(references)} references for {len(sources)} sources")
+    order = sorted(range(len(sources)), key=lambda i: (
+        len(sources[i]), 0 if references is None else len(references[i])))
     results: List[Tuple[List[str], float]] = [None] * len(sources)  # type: ignore[list-item]
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
         batch = [list(sources[i]) for i in chunk]
         limit = max_decoding_length(max(len(s) for s in batch), max_len_a, max_len_b)
         out = translator.translate_batch(
-            batch, beam_size=beam, length_penalty=lenpen, max_decoding_length=limit,
-            return_scores=True, suppress_sequences=[[CT2_PAD]])
+            batch, beam_size=beam, num_hypotheses=beam, length_penalty=lenpen,
+            max_decoding_length=limit, return_scores=True, return_end_token=True,
+            suppress_sequences=[[CT2_PAD]])
+        at_limit = []
         for i, res in zip(chunk, out):
-            results[i] = (list(res.hypotheses[0]), float(res.scores[0]))
+            best = list(res.hypotheses[0])
+            if best and best[-1] == EOS:
+                results[i] = (best[:-1], float(res.scores[0]))
+            else:
+                at_limit.append(i)
+        if not at_limit:
+            continue
+        # the same searches stopped one step earlier: their unfinished hypotheses are the
+        # beams fairseq forces EOS onto
+        before = translator.translate_batch(
+            [list(sources[i]) for i in at_limit], beam_size=beam, num_hypotheses=beam,
+            length_penalty=lenpen, max_decoding_length=limit - 1, return_scores=True,
+            return_end_token=True, suppress_sequences=[[CT2_PAD]])
+        for i, res in zip(at_limit, before):
+            hypotheses = list(out[chunk.index(i)].hypotheses) + list(res.hypotheses)
+            results[i] = _force_eos(translator, list(sources[i]), hypotheses, limit - 1, lenpen)
     return results
+
+
+def _force_eos(translator, source: List[str], hypotheses, max_len: int, lenpen: float
+               ) -> Tuple[List[str], float]:
+    """fairseq's last step for one sentence whose best hypothesis reached the limit: the
+    finished hypotheses as they are, the others cut to ``max_len`` tokens (EOS follows),
+    duplicates once, all scored by forced decoding (CTranslate2 appends EOS) and ranked by
+    ``sum(log p) / n**lenpen``, ``n`` counting EOS, as fairseq ranks them."""
+    candidates: List[List[str]] = []
+    for hyp in hypotheses:
+        hyp = list(hyp)
+        tokens = hyp[:-1] if hyp and hyp[-1] == EOS else hyp[:max_len]
+        if tokens not in candidates:
+            candidates.append(tokens)
+    scored = translator.score_batch([source] * len(candidates), candidates)
+    scores = [sum(r.log_probs) / len(r.log_probs) ** lenpen for r in scored]
+    best = max(range(len(candidates)), key=lambda k: (scores[k], -k))  # ties: CT2's order
+    return candidates[best], float(scores[best])
