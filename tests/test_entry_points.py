@@ -24,6 +24,7 @@ from fairseq_cli_utils import (
     TINY_MODEL,
     USER_DIR,
     env,
+    hypotheses,
     load_model_state,
     preprocess,
     train,
@@ -247,6 +248,42 @@ def test_hydra_checkpoint_generates_like_fairseq_train(tiny_data, hydra_and_argp
         outs.append(sorted(ln for ln in out.splitlines() if ln.startswith(("H-", "D-"))))
     assert len(outs[0]) == 2 * 24 and outs[0] == outs[1]
 
+
+
+def test_hydra_checkpoint_exports_to_plain_fairseq(tiny_data, tiny_raw,
+                                                   hydra_and_argparse_runs, tmp_path):
+    """fairseq-admin-export on the fairseq-hydra-train checkpoint (its config an omegaconf
+    tree that lacks the keys the run left at their defaults; profiled omega vectors,
+    scaled-sinusoid encoder positions): plain fairseq-generate, with no --user-dir,
+    translates the export exactly as the plugin translates the original (same hypotheses,
+    scores within 1e-4), and so does CTranslate2 with the settings of
+    fairseq_admin_pos.export.ct2."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from fairseq_admin_pos.export.ct2 import translate
+
+    original = hydra_and_argparse_runs["hydra"][1]
+    export = tmp_path / "stock.pt"
+    out = console("fairseq-admin-export", [original, "--out", export,
+                                           "--ctranslate2", tmp_path / "ct2"]).stdout
+    assert "admin model -> stock transformer (encoder learned, decoder sinusoidal positions; " \
+           "per-side embedding tables)" in out, out
+    generate = ["--beam", "2", "--cpu", "--batch-size", "8", "--gen-subset", "valid",
+                "--max-len-b", "12"]
+    plugin = console("fairseq-generate", [tiny_data, "--user-dir", "fairseq_admin_pos",
+                                          "--path", original, *generate])
+    plain = console("fairseq-generate", [tiny_data, "--path", export, *generate])
+    assert "fairseq_admin_pos" not in plain.stdout + plain.stderr
+    ours, theirs = hypotheses(plugin.stdout), hypotheses(plain.stdout)
+    assert len(ours) == len(theirs) == 24
+    for a, b in zip(ours, theirs):
+        (sa, ta), (sb, tb) = a.split("\t"), b.split("\t")
+        assert ta == tb and abs(float(sa) - float(sb)) < 1e-4, (a, b)
+    sources = [line.split() for line in (tiny_raw / "valid.src").read_text().splitlines()]
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu",
+                                        compute_type="float32", intra_threads=1)
+    ct2 = translate(translator, sources, beam=2, lenpen=1.0, max_len_a=0,
+                    max_len_b=12, batch_size=8)
+    assert [" ".join(tokens) for tokens, _ in ct2] == [h.split("\t")[1] for h in theirs]
 
 @pytest.mark.parametrize("override,message", [
     ("+model.encoder_layer=2",

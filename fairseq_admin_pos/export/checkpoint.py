@@ -142,8 +142,10 @@ def model_layout(model, model_args) -> ModelLayout:
             layers=len(layers),
             embed_dim=module.embed_tokens.embedding_dim,
             padding_idx=module.padding_idx,
-            max_positions=getattr(model_args, f"max_{'source' if side == 'encoder' else 'target'}"
-                                              "_positions"),
+            # the built module's value: a fairseq-hydra-train config has no such key when
+            # the run left it at fairseq's default
+            max_positions=getattr(module, f"max_{'source' if side == 'encoder' else 'target'}"
+                                          "_positions"),
             positions=settings[f"{side}_pos_emb"],
             normalize_before=bool(getattr(model_args, f"{side}_normalize_before", False)),
             cross_attention=side == "decoder" and len(layers) > 0
@@ -317,6 +319,9 @@ def _export_state(raw, model, cfg, layout, source: Path, none_as_zero_table: boo
     if OmegaConf.is_config(model_args):
         model_args = OmegaConf.to_container(model_args, resolve=True)
     args = stock_args(model_args, fold.positions, fold.unshared, data)
+    # stated, not left to the reader's default: the folded position tables have these sizes
+    args["max_source_positions"] = layout.encoder.max_positions
+    args["max_target_positions"] = layout.decoder.max_positions
     full = {}
     for key in cfg.keys():
         if key == "model":
