@@ -12,6 +12,8 @@ from fairseq_admin_pos.export.checkpoint import check_batch, model_layout, stock
 from fairseq_admin_pos.export.fold import FoldResult, eps_relative_error, fold_state_dict
 
 #: residual schemes the export folds: the admin_transformer flags that make each
+EXACT = 1e-5  # float32 log-probabilities of a fold that is exact up to rounding
+
 SCHEMES = {
     "admin-buffer": ["--admin-init", "closed-form"],
     "admin-parameter": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
@@ -155,3 +157,17 @@ def layer_norm_errors(stock, fold: FoldResult, batch) -> Dict[str, Tuple[torch.T
         out[name] = tuple(t.transpose(0, 1)[real] for t in (
             measured, eps_relative_error(var, w).abs(), 1e-5 * abs(1 - 1 / w ** 2) / (2 * var)))
     return out
+
+
+def eps_tolerance(stock, fold, batch, mask) -> float:
+    """The log-probability tolerance of an export with fairseq's eps: each affected
+    LayerNorm scales its normalised output by 1 - delta_k (delta_k at most the closed form's
+    maximum over the batch); if those relative errors reached the logits unamplified, log
+    p = z - logsumexp(z) would move by at most 2 max|z| sum_k delta_k. Plus float32
+    rounding."""
+    deltas = layer_norm_errors(stock, fold, batch)
+    total = sum(float(closed.max()) for _, closed, _ in deltas.values())
+    src, lengths, prev = batch
+    with torch.no_grad():
+        z, _ = stock(src, lengths, prev)
+    return 2 * float(z.abs()[mask].max()) * total + EXACT

@@ -31,6 +31,8 @@ import pytest
 import torch
 
 from export_utils import (
+    EXACT,
+    eps_tolerance,
     incremental_logprobs,
     logprobs,
     max_diff,
@@ -40,7 +42,6 @@ from export_utils import (
 )
 from fairseq_cli_utils import REPO, TINY_MODEL, env, hypotheses, run, train
 from model_utils import build_trainer
-from test_export_fold import EXACT, eps_tolerance
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 

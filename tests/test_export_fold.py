@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from export_utils import (
+    EXACT,
     POSITIONS,
     SCHEMES,
     SHARING,
+    eps_tolerance,
     incremental_logprobs,
     layer_norm_errors,
     logprobs,
@@ -41,23 +43,7 @@ from fairseq_admin_pos.export.fold import (
 from fairseq_admin_pos.export.checkpoint import model_layout
 from model_utils import SMALL, build
 
-EXACT = 1e-5  # float32 log-probabilities of a fold that is exact up to rounding
-
 CASES = [(scheme, pos) for scheme in SCHEMES for pos in POSITIONS]
-
-
-def eps_tolerance(stock, fold, batch, mask) -> float:
-    """The log-probability tolerance of an export with fairseq's eps: each affected
-    LayerNorm scales its normalised output by 1 - delta_k (delta_k at most the closed form's
-    maximum over the batch); if those relative errors reached the logits unamplified, log
-    p = z - logsumexp(z) would move by at most 2 max|z| sum_k delta_k. Plus float32
-    rounding."""
-    deltas = layer_norm_errors(stock, fold, batch)
-    total = sum(float(closed.max()) for _, closed, _ in deltas.values())
-    src, lengths, prev = batch
-    with torch.no_grad():
-        z, _ = stock(src, lengths, prev)
-    return 2 * float(z.abs()[mask].max()) * total + EXACT
 
 
 @pytest.mark.parametrize("scheme,positions", CASES, ids=[f"{s}-{e}-{d}" for s, (e, d) in CASES])
