@@ -11,9 +11,9 @@ import torch
 from fairseq_admin_pos.export.checkpoint import check_batch, model_layout, stock_args
 from fairseq_admin_pos.export.fold import FoldResult, eps_relative_error, fold_state_dict
 
-#: residual schemes the export folds: the admin_transformer flags that make each
 EXACT = 1e-5  # float32 log-probabilities of a fold that is exact up to rounding
 
+#: residual schemes the export folds: the admin_transformer flags that make each
 SCHEMES = {
     "admin-buffer": ["--admin-init", "closed-form"],
     "admin-parameter": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
@@ -171,3 +171,12 @@ def eps_tolerance(stock, fold, batch, mask) -> float:
     with torch.no_grad():
         z, _ = stock(src, lengths, prev)
     return 2 * float(z.abs()[mask].max()) * total + EXACT
+
+
+def assert_same_hypotheses(ours, theirs, n: int) -> None:
+    """``hypotheses()`` rows of two fairseq-generate runs: ``n`` each, the same tokens, scores
+    within 1e-4 (the exported model's float32 rounding)."""
+    assert len(ours) == len(theirs) == n
+    for a, b in zip(ours, theirs):
+        (sa, ta), (sb, tb) = a.split("\t"), b.split("\t")
+        assert ta == tb and abs(float(sa) - float(sb)) < 1e-4, (a, b)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from export_utils import assert_same_hypotheses
 from fairseq_cli_utils import (
     REPO,
     TINY_MODEL,
@@ -249,7 +250,6 @@ def test_hydra_checkpoint_generates_like_fairseq_train(tiny_data, hydra_and_argp
     assert len(outs[0]) == 2 * 24 and outs[0] == outs[1]
 
 
-
 def test_hydra_checkpoint_exports_to_plain_fairseq(tiny_data, tiny_raw,
                                                    hydra_and_argparse_runs, tmp_path):
     """fairseq-admin-export on the fairseq-hydra-train checkpoint (its config an omegaconf
@@ -273,17 +273,15 @@ def test_hydra_checkpoint_exports_to_plain_fairseq(tiny_data, tiny_raw,
                                           "--path", original, *generate])
     plain = console("fairseq-generate", [tiny_data, "--path", export, *generate])
     assert "fairseq_admin_pos" not in plain.stdout + plain.stderr
-    ours, theirs = hypotheses(plugin.stdout), hypotheses(plain.stdout)
-    assert len(ours) == len(theirs) == 24
-    for a, b in zip(ours, theirs):
-        (sa, ta), (sb, tb) = a.split("\t"), b.split("\t")
-        assert ta == tb and abs(float(sa) - float(sb)) < 1e-4, (a, b)
+    theirs = hypotheses(plain.stdout)
+    assert_same_hypotheses(hypotheses(plugin.stdout), theirs, 24)
     sources = [line.split() for line in (tiny_raw / "valid.src").read_text().splitlines()]
     translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu",
                                         compute_type="float32", intra_threads=1)
     ct2 = translate(translator, sources, beam=2, lenpen=1.0, max_len_a=0,
                     max_len_b=12, batch_size=8)
     assert [" ".join(tokens) for tokens, _ in ct2] == [h.split("\t")[1] for h in theirs]
+
 
 @pytest.mark.parametrize("override,message", [
     ("+model.encoder_layer=2",

@@ -32,6 +32,7 @@ import torch
 
 from export_utils import (
     EXACT,
+    assert_same_hypotheses,
     eps_tolerance,
     incremental_logprobs,
     logprobs,
@@ -179,11 +180,7 @@ def test_plain_fairseq_generate_gives_the_plugins_hypotheses(tiny_data, runs, pl
     plugin = run("fairseq_cli.generate", [
         tiny_data, "--user-dir", REPO / "fairseq_admin_pos", "--path",
         runs / name / "checkpoint_last.pt", *GENERATE]).stdout
-    ours, theirs = hypotheses(plugin), plain_generate[name]
-    assert len(ours) == len(theirs) == 24
-    for a, b in zip(ours, theirs):
-        (sa, ta), (sb, tb) = a.split("\t"), b.split("\t")
-        assert ta == tb and abs(float(sa) - float(sb)) < 1e-4, (a, b)
+    assert_same_hypotheses(hypotheses(plugin), plain_generate[name], 24)
 
 
 def test_exported_log_probs(tiny_data, runs, exported):
