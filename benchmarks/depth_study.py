@@ -148,7 +148,11 @@ def build_parser():
                         "source x optimizer) and omega variants; admin-schedule = admin-paper "
                         "and admin at lr 1e-3 (2 seeds); admin-warmup = the same at lr 1e-3, "
                         "warmup 2000, 2400 updates; rivals = issue 21's b2t and resi-dual "
-                        "(6L-6L, 12L-12L and " + _DEEP_ENC + ", 3 seeds at depth)")
+                        "(6L-6L, 12L-12L and " + _DEEP_ENC + ", 3 seeds at depth); deep-shallow = "
+                        "issue 41's encoder/decoder allocation (6-6, 12-3, 12-1, 24-1, 48-1 x "
+                        "post-ln, pre-ln, admin, admin-paper, 3 seeds); deep-shallow-warmup = "
+                        "admin-paper and admin at 12-1 and 24-1 with lr 1e-3, warmup 2000, 2400 "
+                        "updates")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")

@@ -175,3 +175,28 @@ PLAN_RECIPES = {"admin-schedule": dict(lr=1e-3)}
 #: a failure that starts when the warmup ends has room to show; about 2.5 h per run here
 PLANS["admin-warmup"] = list(PLANS["admin-schedule"])
 PLAN_RECIPES["admin-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
+
+# --------------------------------------------------------------------------- deep-shallow
+#: issue 41: the encoder/decoder allocation at the demo recipe (Kasai et al. 2021, "Deep
+#: Encoder, Shallow Decoder"). Cells 6-6, 12-3 (the demo), 12-1, 24-1, 48-1 for the four
+#: schemes whose stability is in question; most informative runs first: seed 1 of every
+#: 1-layer-decoder cell, then the 12-3 references, then the seeds, the 48-1 cells (three
+#: demo runs each) last.
+_DS_SCHEMES = ("admin", "post-ln", "pre-ln", "admin-paper")
+_DS_SHAPES = ("6L-6L", "12L-3L", "12L-1L", "24L-1L", "48L-1L")
+PLANS["deep-shallow"] = (
+    [(s, "12L-1L", 1, "sinusoidal") for s in _DS_SCHEMES]
+    + [(s, "24L-1L", 1, "sinusoidal") for s in _DS_SCHEMES]
+    + [(s, "12L-3L", 1, "sinusoidal") for s in _DS_SCHEMES]
+    + [(s, d, 2, "sinusoidal") for d in ("12L-1L", "24L-1L", "12L-3L") for s in _DS_SCHEMES]
+    + [(s, "48L-1L", 1, "sinusoidal") for s in _DS_SCHEMES]
+    + [(s, d, 3, "sinusoidal") for d in ("12L-1L", "24L-1L", "12L-3L") for s in _DS_SCHEMES]
+    + [(s, "6L-6L", seed, "sinusoidal") for seed in (1, 2, 3) for s in _DS_SCHEMES]
+    + [(s, "48L-1L", seed, "sinusoidal") for seed in (2, 3) for s in _DS_SCHEMES]
+)
+#: issue 41: the paper's Admin at the warmup issue 22 found to train (lr 1e-3, 2000 warmup
+#: updates, 2400 updates) in the 1-layer-decoder cells, with the closed form beside it: is the
+#: reported shallow-decoder divergence the short-warmup cause or another one
+PLANS["deep-shallow-warmup"] = [(s, d, 1, "sinusoidal") for d in ("12L-1L", "24L-1L")
+                                for s in ("admin-paper", "admin")]
+PLAN_RECIPES["deep-shallow-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
