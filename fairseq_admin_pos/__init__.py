@@ -47,11 +47,15 @@ def register() -> None:
 
     checkpoint_compat.allow_fairseq_checkpoints()
     from fairseq_admin_pos import models, optim  # noqa: F401  (their imports register)
-    from fairseq_admin_pos.speed import trainer as _speed  # noqa: F401  (installs its hook)
+    from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel, prepare_args
+    from fairseq_admin_pos.speed import trainer as speed_trainer
 
+    # the fixes and the speed hooks sit below the models: they are handed the model class
+    # (and its flag checks) here instead of importing it
+    speed_trainer.install(model_types=(AdminTransformerModel,))
     cli_help.install()
     batching_fix.install()
-    flag_errors.install()
+    flag_errors.install(preflight_checks={AdminTransformerModel: prepare_args})
     # only now: a registration that failed half way is retried by the next call
     _registered = True
 

@@ -97,6 +97,8 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 import torch
 import torch.nn as nn
 
+from fairseq_admin_pos.errors import ProfileFileError
+
 __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
@@ -133,10 +135,6 @@ PROFILE_MODES = ("clinic", "eval")
 # index of the moments tensor, shape (N, 2, 3): [sub-layer, {shortcut, branch}, {n, s, q}]
 SHORTCUT, BRANCH = 0, 1
 COUNT, SUM, SUMSQ = 0, 1, 2
-
-
-class ProfileFileError(ValueError):
-    """A profile file is unreadable or does not match the model (message names the file)."""
 
 
 # --------------------------------------------------------------------------------------- #

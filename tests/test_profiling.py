@@ -785,8 +785,9 @@ def test_fairseq_train_stops_before_training_and_leaves_no_crash_pt(
 
 
 def test_fairseq_train_bad_profile_exit_code_and_message(tiny_data, tmp_path):
-    """The command line as a user runs it: a NaN omega is reported and the process exits
-    with status 1 (not fairseq's crash handler, not an abort), leaving no crash.pt."""
+    """The command line as a user runs it: a NaN omega is reported as one error line and the
+    process exits with status 2 (argparse's; not fairseq's crash handler, not an abort),
+    leaving no crash.pt (every profile-file case: tests/test_profile_file_errors.py)."""
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"format": profiling.PROFILE_FORMAT, "version": 2,
                                 "omegas": {"encoder": [1.0, float("nan"), 1.2, 1.3],
@@ -796,8 +797,9 @@ def test_fairseq_train_bad_profile_exit_code_and_message(tiny_data, tmp_path):
         *TINY_MODEL, *PROFILE, "--admin-profile-path", path, "--no-save", "--max-update", "2"],
         cwd=tmp_path, check=False)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 1, log[-3000:]
-    assert "encoder omega 2 is nan" in proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert "encoder omega 2 is nan" in proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
     assert "train_inner" not in log and "terminate called" not in log
     assert _crash_files(tmp_path) == []
 

@@ -11,9 +11,11 @@ already made the ``--save-dir``.
 
 What this module changes (installed by :func:`fairseq_admin_pos.register`):
 
-* :class:`AdminFlagError`, a ``ValueError`` (code that catches ``ValueError`` is
-  unaffected), is what those checks raise; its message names the flag(s) and the valid
-  choices and is one line;
+* :class:`~fairseq_admin_pos.errors.AdminFlagError`, a ``ValueError`` (code that catches
+  ``ValueError`` is unaffected), is what those checks raise; its message names the flag(s)
+  and the valid choices and is one line. The same holds for every
+  :class:`~fairseq_admin_pos.errors.AdminUserError`, e.g. an ``--admin-profile-path`` file
+  that cannot be read or does not fit the model (``ProfileFileError``);
 * ``fairseq.distributed.utils.call_main`` (the function ``fairseq-train``,
   ``fairseq-interactive``, ``fairseq-validate`` and ``fairseq-eval-lm`` run their ``main``
   through) first checks an ``admin_transformer`` model's flags on a copy of the
@@ -27,7 +29,7 @@ What this module changes (installed by :func:`fairseq_admin_pos.register`):
   checkpoint is loaded; any flag error under ``fairseq-hydra-train``, which imports the
   plugin only inside ``main``) the directory is removed again if nothing was written to it;
 * ``sys.excepthook``: when a fairseq command-line tool (``fairseq-*``, ``python -m
-  fairseq_cli.*``) ends with an uncaught :class:`AdminFlagError` (also when fairseq wrapped
+  fairseq_cli.*``) ends with an uncaught ``AdminUserError`` (also when fairseq wrapped
   it: ``Trainer.load_checkpoint`` re-raises any loading error as a bare ``Exception``), the
   hook prints ``<prog>: error: <message>`` and raises ``SystemExit(2)``; Python then exits
   with status 2, running ``atexit`` handlers as usual. Every other exception, and any
@@ -49,20 +51,15 @@ import functools
 import os
 import re
 import sys
-from typing import Optional
+from typing import Callable, Dict, Optional
 
-__all__ = ["AdminFlagError", "find_flag_error", "prog_name", "preflight", "install"]
+from fairseq_admin_pos.errors import AdminFlagError, AdminUserError, user_error_names
+
+__all__ = ["AdminFlagError", "AdminUserError", "find_flag_error", "prog_name", "preflight",
+           "install"]
 
 #: argparse's exit status for a usage error
 EXIT_STATUS = 2
-
-
-class AdminFlagError(ValueError):
-    """A flag value or combination the plugin refuses while fairseq builds the model.
-
-    The message is one line that names the flag(s) and the valid values, and reads after
-    ``<prog>: error: ``; :func:`install` makes fairseq's command-line tools print it that
-    way (exit status 2) instead of a traceback."""
 
 
 def prog_name() -> Optional[str]:
@@ -82,23 +79,21 @@ def prog_name() -> Optional[str]:
     return prog if prog.startswith("fairseq") else None
 
 
-def _qualified_name() -> str:
-    return f"{AdminFlagError.__module__}.{AdminFlagError.__qualname__}"
-
-
-def find_flag_error(exc: Optional[BaseException]) -> Optional[AdminFlagError]:
-    """The :class:`AdminFlagError` behind ``exc``: ``exc`` itself, one it was raised from or
-    while handling (fairseq's ``Trainer.load_checkpoint`` turns any loading error into a
-    bare ``Exception``), or the one a ``torch.multiprocessing.spawn`` worker reported as
+def find_flag_error(exc: Optional[BaseException]) -> Optional[AdminUserError]:
+    """The :class:`~fairseq_admin_pos.errors.AdminUserError` (a flag error, a profile-file
+    error) behind ``exc``: ``exc`` itself, one it was raised from or while handling
+    (fairseq's ``Trainer.load_checkpoint`` turns any loading error into a bare
+    ``Exception``), or the one a ``torch.multiprocessing.spawn`` worker reported as
     traceback text; None when there is none."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, AdminFlagError):
+        if isinstance(exc, AdminUserError):
             return exc
         text = _spawned_worker_traceback(exc)
         if text is not None:
-            found = re.findall(rf"^{re.escape(_qualified_name())}: (.+)$", text, re.MULTILINE)
+            names = "|".join(re.escape(n) for n in user_error_names())
+            found = re.findall(rf"^(?:{names}): (.+)$", text, re.MULTILINE)
             if found:
                 return AdminFlagError(found[0])
         exc = exc.__cause__ or exc.__context__
@@ -113,7 +108,7 @@ def _spawned_worker_traceback(exc: BaseException) -> Optional[str]:
     return None
 
 
-def report(err: AdminFlagError, prog: Optional[str] = None) -> None:
+def report(err: AdminUserError, prog: Optional[str] = None) -> None:
     """Print ``<prog>: error: <message>`` on stderr and exit with status 2, after removing
     the save directory fairseq made for this run if it is still empty."""
     remove_created_save_dirs()
@@ -142,23 +137,28 @@ def _model_class(model_cfg):
     return ARCH_MODEL_REGISTRY.get(name) or MODEL_REGISTRY.get(name)
 
 
-def preflight(cfg) -> None:
-    """Run the checks ``AdminTransformerModel.build_model`` runs, on a copy of the model
-    configuration, so that a bad flag is reported before fairseq does anything else.
-    Nothing happens for other models or when the tool builds no model from flags
-    (``cfg.model`` is None for tools that load a checkpoint)."""
-    from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel, prepare_args
+#: model class -> the function that checks its flags (what its ``build_model`` runs first),
+#: given by :func:`install`: the models sit above this patch and are handed to it, not imported
+_PREFLIGHT_CHECKS: Dict[type, Callable] = {}
 
+
+def preflight(cfg) -> None:
+    """Run the checks the model's ``build_model`` runs (those :func:`install` was given for
+    its class), on a copy of the model configuration, so that a bad flag is reported before
+    fairseq does anything else. Nothing happens for other models or when the tool builds no
+    model from flags (``cfg.model`` is None for tools that load a checkpoint)."""
     model_cfg = getattr(cfg, "model", None)
     if model_cfg is None:
         return
     cls = _model_class(model_cfg)
-    if cls is None or not issubclass(cls, AdminTransformerModel):
+    check = next((fn for base, fn in _PREFLIGHT_CHECKS.items()
+                  if cls is not None and issubclass(cls, base)), None)
+    if check is None:
         return
     from omegaconf import OmegaConf
 
     # a DictConfig (hydra) is converted into a new namespace; a Namespace is copied
-    prepare_args(model_cfg if OmegaConf.is_config(model_cfg) else copy.deepcopy(model_cfg))
+    check(model_cfg if OmegaConf.is_config(model_cfg) else copy.deepcopy(model_cfg))
 
 
 def _outermost_new(path: str) -> Optional[str]:
@@ -235,11 +235,16 @@ def _wrap_hydra_predicate(is_under_debugger):
     return wrapper
 
 
-def install() -> None:
+def install(preflight_checks: Optional[Dict[type, Callable]] = None) -> None:
     """Wrap ``fairseq.distributed.utils.call_main`` and
     ``fairseq.checkpoint_utils.verify_checkpoint_directory``, chain ``sys.excepthook`` and,
-    when hydra is loaded, let a flag error through its ``run_and_report`` (all once)."""
-    # imported here: importing this module must not import fairseq (models raise its error)
+    when hydra is loaded, let a flag error through its ``run_and_report`` (all once).
+
+    ``preflight_checks`` maps a model class to the function that checks its flags on an
+    args namespace (raising :class:`AdminFlagError`); :func:`preflight` runs it for that
+    class and its subclasses."""
+    _PREFLIGHT_CHECKS.update(preflight_checks or {})
+    # imported here: importing this module must not import fairseq
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
 

@@ -63,7 +63,7 @@ from fairseq import utils
 from fairseq.distributed import utils as distributed_utils
 
 from fairseq_admin_pos import profiling
-from fairseq_admin_pos.fairseq_fixes.flag_errors import AdminFlagError
+from fairseq_admin_pos.errors import AdminFlagError, ProfileFileError
 from fairseq_admin_pos.profiling import PROFILE_MODES
 
 logger = logging.getLogger(__name__)
@@ -307,11 +307,21 @@ def read_profile(path: str, model: nn.Module, settings: Mapping[str, object]):
     """Read ``path`` and check it against ``model`` and its ``settings`` (from
     :func:`profile_settings`): omega values, count per stack, file kind against the mode,
     and the settings the file records. Returns ``(omegas, file settings, kind)``; any
-    problem is a :class:`profiling.ProfileFileError` naming the file."""
+    problem is a :class:`~fairseq_admin_pos.errors.ProfileFileError` whose one-line message
+    starts with the flag and the file (``--admin-profile-path FILE: ...``), which fairseq's
+    tools print as ``<prog>: error: ...`` with exit status 2."""
+    try:
+        return _read_profile(path, model, settings)
+    except ProfileFileError as e:
+        # the pure reader names the file; the flag that named it is known only here
+        raise ProfileFileError(f"--admin-profile-path {e}") from None
+
+
+def _read_profile(path: str, model: nn.Module, settings: Mapping[str, object]):
     omegas, file_settings, kind = profiling.load_profile(path)
     mode = settings.get("admin_profile_mode")
     if kind == "clinic" and mode != "clinic":
-        raise profiling.ProfileFileError(
+        raise ProfileFileError(
             f"{path}: a Transformer-Clinic profile.ratio.init holds Clinic's statistics "
             "(training-mode forward with dropout, padding included), which --admin-profile-"
             f"mode {mode} does not measure; use it with --admin-profile-mode clinic"
@@ -460,7 +470,7 @@ class ProfileController:
         if self.path:
             present, world = profiling.count_ranks(os.path.exists(self.path), group)
             if 0 < present < world:
-                raise RuntimeError(
+                raise ProfileFileError(
                     f"--admin-profile-path {self.path}: the file exists on {present} of {world} "
                     "ranks; put it where every rank sees it (or on none, to measure it)"
                 )

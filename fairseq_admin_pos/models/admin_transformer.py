@@ -80,7 +80,7 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
 from fairseq_admin_pos.admin import calculate_init
-from fairseq_admin_pos.fairseq_fixes.flag_errors import AdminFlagError
+from fairseq_admin_pos.errors import AdminFlagError
 from fairseq_admin_pos.models import admin_profile
 from fairseq_admin_pos.models import config as model_config
 from fairseq_admin_pos.models.b2t_resi_dual import (

@@ -47,7 +47,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fairseq.dataclass import FairseqDataclass
 
-from fairseq_admin_pos.fairseq_fixes.flag_errors import AdminFlagError
+from fairseq_admin_pos.errors import AdminFlagError
 
 #: config groups whose ``_name`` is a flag of its own in fairseq-train's namespace
 _REGISTRY_GROUPS = ("task", "criterion", "optimizer", "lr_scheduler", "bpe", "tokenizer",

@@ -55,6 +55,8 @@ from omegaconf import II, OmegaConf
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.optim import FairseqOptimizer, register_optimizer
 
+from fairseq_admin_pos.errors import AdminFlagError
+
 _HALF = (torch.float16, torch.bfloat16)
 EARLY_STEPS = ("momentum", "skip")
 
@@ -105,7 +107,7 @@ class RAdam(torch.optim.RAdam):
 
     def __init__(self, params, early_steps: str = "momentum", **kwargs):
         if early_steps not in EARLY_STEPS:
-            raise ValueError(
+            raise AdminFlagError(
                 f"--radam-early-steps {early_steps!r} is not valid; valid choices: "
                 f"{', '.join(EARLY_STEPS)}"
             )
@@ -193,7 +195,7 @@ def parse_betas(value) -> tuple:
     try:
         return _read_betas(value)
     except ValueError as error:
-        raise ValueError(f"--adam-betas {error}") from None
+        raise AdminFlagError(f"--adam-betas {error}") from None
 
 
 def _betas_argument(value: str) -> str:
@@ -228,10 +230,10 @@ class FairseqRAdam(FairseqOptimizer):
         lr = self.cfg.lr[0] if isinstance(self.cfg.lr, Collection) else self.cfg.lr
         eps = float(self.cfg.adam_eps)
         if not (math.isfinite(eps) and eps >= 0):
-            raise ValueError(f"--adam-eps must be a finite number >= 0; got {self.cfg.adam_eps!r}")
+            raise AdminFlagError(f"--adam-eps must be a finite number >= 0; got {self.cfg.adam_eps!r}")
         wd = float(self.cfg.weight_decay)
         if not (math.isfinite(wd) and wd >= 0):
-            raise ValueError(
+            raise AdminFlagError(
                 f"--weight-decay must be a finite number >= 0; got {self.cfg.weight_decay!r}"
             )
         return {

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -38,7 +38,6 @@ from fairseq.optim.adam import Adam as FairseqTorchAdam
 from fairseq.optim.adam import FairseqAdam
 from fairseq.trainer import Trainer
 
-from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
 from fairseq_admin_pos.speed import foreach, fp16
 
 _NORMS = "_admin_grad_norms"
@@ -179,11 +178,16 @@ def _fairseq_optimizers(optimizer) -> List[FairseqOptimizer]:
     return found
 
 
+#: the model classes whose trainers are accelerated, given by :func:`install` (the models sit
+#: above this module and are handed to it, not imported)
+_MODEL_TYPES: Tuple[type, ...] = ()
+
+
 def accelerate(trainer: Trainer) -> None:
     """Swap in the multi-tensor Adam, clipping and FP16 copies for this trainer's optimizer
-    (module docstring); only for ``AdminTransformerModel`` trainers, only before any state
-    exists."""
-    if not isinstance(trainer.get_model(), AdminTransformerModel):
+    (module docstring); only for trainers of the model classes :func:`install` was given
+    (``AdminTransformerModel``), only before any state exists."""
+    if not _MODEL_TYPES or not isinstance(trainer.get_model(), _MODEL_TYPES):
         return
     outer = trainer._optimizer
     for opt in _fairseq_optimizers(outer):
@@ -208,10 +212,10 @@ def _wrap_build_optimizer(build_optimizer):
     return wrapper
 
 
-def install() -> None:
-    """Wrap ``Trainer._build_optimizer`` once (idempotent)."""
+def install(model_types: Sequence[type] = ()) -> None:
+    """Wrap ``Trainer._build_optimizer`` once (idempotent) and accelerate the trainers of
+    ``model_types`` (added to those of earlier calls)."""
+    global _MODEL_TYPES
+    _MODEL_TYPES = tuple(dict.fromkeys(_MODEL_TYPES + tuple(model_types)))
     if not getattr(Trainer._build_optimizer, "__admin_speed__", False):
         Trainer._build_optimizer = _wrap_build_optimizer(Trainer._build_optimizer)
-
-
-install()
