@@ -75,8 +75,8 @@ In both modes the statistics are float64 even when the model runs in fp16/bf16 (
 forward itself runs in the model's precision); Clinic's numpy sums float32 values in
 float32, a relative difference of order 1e-7.
 
-Profile files
--------------
+Profile files (:mod:`fairseq_admin_pos.profile_files`, names re-exported here)
+-------------------------------------------------------------------------------
 :func:`save_profile` writes JSON (format ``fairseq_admin_pos.admin_profile``, version 2)
 with the omegas, the measured variances and the settings they came from, the mode among
 them; :func:`load_profile` reads that (version 1 files, written before the modes existed,
@@ -87,17 +87,23 @@ other settings into an error that lists every difference.
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-import tempfile
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-from fairseq_admin_pos.errors import ProfileFileError
+from fairseq_admin_pos.errors import ProfileFileError  # noqa: F401  (re-exported)
+# the statistics and the recurrence, and the profile files, are modules of their own; their
+# names stay importable from here, where they always were
+from fairseq_admin_pos.profile_stats import (BRANCH, COUNT, SHORTCUT, SUM,  # noqa: F401
+                                             SUMSQ, _moments, next_ratio,
+                                             omegas_from_moments, omegas_from_variances,
+                                             variances_from_moments)
+from fairseq_admin_pos.profile_files import (PROFILE_FORMAT, PROFILE_VERSION,  # noqa: F401
+                                             READABLE_VERSIONS, check_profile_counts,
+                                             compare_settings, load_profile,
+                                             parse_clinic_profile, save_profile)
 
 __all__ = [
     "PROFILE_FORMAT",
@@ -125,34 +131,12 @@ __all__ = [
     "ProfileFileError",
 ]
 
-PROFILE_FORMAT = "fairseq_admin_pos.admin_profile"
-PROFILE_VERSION = 2
-#: the versions :func:`load_profile` reads (1: before the modes; measured in eval mode)
-READABLE_VERSIONS = (1, 2)
 #: ``--admin-profile-mode`` choices, the default first (see the module docstring)
 PROFILE_MODES = ("clinic", "eval")
-
-# index of the moments tensor, shape (N, 2, 3): [sub-layer, {shortcut, branch}, {n, s, q}]
-SHORTCUT, BRANCH = 0, 1
-COUNT, SUM, SUMSQ = 0, 1, 2
-
 
 # --------------------------------------------------------------------------------------- #
 # statistics
 # --------------------------------------------------------------------------------------- #
-def _moments(values: torch.Tensor) -> torch.Tensor:
-    """``[n, sum, sum of squares]`` of all elements in float64 (the conversion from
-    fp16/bf16/fp32 is exact; squaring in float32 would already lose ~1e-8 relative)."""
-    v = values.detach().double()
-    return torch.stack(
-        [
-            torch.tensor(float(v.numel()), dtype=torch.float64, device=v.device),
-            v.sum(dtype=torch.float64),
-            (v * v).sum(dtype=torch.float64),
-        ]
-    )
-
-
 class ResidualProfiler:
     r"""Forward pre-hooks that accumulate the shortcut/branch moments of residual modules.
 
@@ -317,46 +301,6 @@ class InPassProfiler:
                     f"of the {len(mods)} {name} sub-layers"
                 )
         return {n: list(v) for n, v in self.omegas.items()}, dict(self.moments)
-
-
-def variances_from_moments(moments: torch.Tensor) -> Tuple[List[float], List[float]]:
-    """Population variances ``(Var[x_{i-1}], Var[f_i])`` per sub-layer from ``(N, 2, 3)`` moments."""
-    m = moments.detach().to("cpu", torch.float64)
-    if m.dim() != 3 or m.shape[1:] != (2, 3):
-        raise ValueError(f"moments must have shape (N, 2, 3); got {tuple(m.shape)}")
-    n = m[:, :, COUNT]
-    if bool((n <= 0).any()):
-        bad = int((n <= 0).any(dim=1).nonzero()[0]) + 1
-        raise ValueError(
-            f"admin profiling: sub-layer {bad} saw no counted element (all positions padding?)"
-        )
-    mean = m[:, :, SUM] / n
-    var = (m[:, :, SUMSQ] / n - mean * mean).clamp_min(0.0)
-    return var[:, SHORTCUT].tolist(), var[:, BRANCH].tolist()
-
-
-def next_ratio(omega: float, shortcut_var: float, branch_var: float) -> float:
-    """One step of the recurrence: ``sqrt(omega**2 Var[x] + Var[f])`` (Clinic's
-    ``sqrt(np.var(residual * omega) + np.var(f))`` for a scalar omega)."""
-    return math.sqrt(omega * omega * float(shortcut_var) + float(branch_var))
-
-
-def omegas_from_variances(shortcut_vars: Sequence[float], branch_vars: Sequence[float]) -> List[float]:
-    """Admin's ratio recurrence (see the module docstring): ``ratio_1 = 1``,
-    ``omega_i = ratio_i``, ``ratio_{i+1} = sqrt(omega_i**2 Var[x_{i-1}] + Var[f_i])``."""
-    if len(shortcut_vars) != len(branch_vars):
-        raise ValueError("shortcut_vars and branch_vars must have the same length")
-    ratio, omegas = 1.0, []
-    for vx, vf in zip(shortcut_vars, branch_vars):
-        omega = ratio
-        omegas.append(omega)
-        ratio = next_ratio(omega, vx, vf)
-    return omegas
-
-
-def omegas_from_moments(moments: Mapping[str, torch.Tensor]) -> Dict[str, List[float]]:
-    """``{stack: [omega_1, ...]}`` from ``{stack: (N, 2, 3) moments}``."""
-    return {name: omegas_from_variances(*variances_from_moments(m)) for name, m in moments.items()}
 
 
 def _dist_ready(group=None) -> bool:
@@ -534,203 +478,3 @@ def measure_omegas(
     moments = {n: m.clone() for n, m in profiler.stacked_moments().items()}
     all_reduce_moments_(moments, group=group)
     return omegas_from_moments(moments), moments
-
-
-# --------------------------------------------------------------------------------------- #
-# profile files
-# --------------------------------------------------------------------------------------- #
-def save_profile(
-    path: str,
-    omegas: Mapping[str, Sequence[float]],
-    settings: Mapping[str, object],
-    moments: Optional[Mapping[str, torch.Tensor]] = None,
-) -> None:
-    """Write a JSON profile atomically (temporary file in the same folder, then rename), so a
-    reader never sees half a file and concurrent writers leave one complete file."""
-    data = {
-        "format": PROFILE_FORMAT,
-        "version": PROFILE_VERSION,
-        "omegas": {k: [float(v) for v in vals] for k, vals in omegas.items()},
-        "settings": dict(settings),
-    }
-    if moments is not None:
-        stats = {}
-        for name, m in moments.items():
-            vx, vf = variances_from_moments(m)
-            stats[name] = {
-                "shortcut_variance": vx,
-                "branch_variance": vf,
-                "counted_elements": [float(c) for c in m[:, SHORTCUT, COUNT].tolist()],
-            }
-        data["variances"] = stats
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def parse_clinic_profile(text: str, path: str = "<text>") -> Dict[str, List[float]]:
-    """Transformer-Clinic's ``profile.ratio.init``: lines ``index value``, encoder indices
-    ``1..2N`` then decoder indices ``1..3M`` (the index restarts at 1 for the decoder)."""
-    segments: List[List[float]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        parts = line.split()
-        try:
-            if len(parts) != 2:
-                raise ValueError
-            index_f, value = float(parts[0]), float(parts[1])
-        except ValueError:
-            raise ProfileFileError(
-                f"{path}: line {lineno} is {line.strip()!r}; a Transformer-Clinic profile has "
-                "lines 'index value' and a fairseq_admin_pos profile is JSON"
-            ) from None
-        index = int(index_f)
-        if index != index_f or index < 1:
-            raise ProfileFileError(f"{path}: line {lineno}: index {parts[0]!r} is not a positive integer")
-        if not math.isfinite(value) or value <= 0:
-            raise ProfileFileError(f"{path}: line {lineno}: omega {parts[1]!r} is not a positive finite number")
-        if index == 1:
-            segments.append([])
-        elif not segments or index != len(segments[-1]) + 1:
-            expected = len(segments[-1]) + 1 if segments else 1
-            raise ProfileFileError(
-                f"{path}: line {lineno}: index {index} where {expected} was expected (encoder "
-                "indices 1..2N then decoder indices 1..3M)"
-            )
-        segments[-1].append(value)
-    if len(segments) != 2:
-        raise ProfileFileError(
-            f"{path}: found {len(segments)} index run(s) starting at 1; a Transformer-Clinic "
-            "profile has two (encoder 1..2N, then decoder 1..3M)"
-        )
-    return {"encoder": segments[0], "decoder": segments[1]}
-
-
-def _check_omega_values(path: str, omegas: object) -> Dict[str, List[float]]:
-    """``{stack: [positive finite floats]}`` or a :class:`ProfileFileError` naming the entry."""
-    if not isinstance(omegas, dict) or not omegas:
-        raise ProfileFileError(
-            f"{path}: 'omegas' must map stack names (encoder, decoder) to lists of omegas; "
-            f"got {type(omegas).__name__}"
-        )
-    out = {}
-    for stack, values in omegas.items():
-        if not isinstance(values, list):
-            raise ProfileFileError(f"{path}: omegas[{stack!r}] must be a list of numbers")
-        for i, v in enumerate(values):
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-            if not ok or not math.isfinite(v) or v <= 0:
-                raise ProfileFileError(
-                    f"{path}: {stack} omega {i + 1} is {v!r}; every omega must be a positive "
-                    "finite number (a profile with NaN, infinite, zero or negative omegas "
-                    "comes from a diverged or broken measurement: measure it again)"
-                )
-        out[stack] = [float(v) for v in values]
-    return out
-
-
-def load_profile(path: str) -> Tuple[Dict[str, List[float]], Dict[str, object], str]:
-    """Read ``(omegas per stack, settings, kind)``; ``kind`` is ``"json"`` or ``"clinic"``.
-
-    Every omega is checked (positive and finite). The settings of a version-1 JSON file
-    (written before the profiling modes existed) are completed with what that code did:
-    ``admin_profile_mode = "eval"`` and ``admin_profile_include_padding`` from its
-    ``include_padding``. A Clinic file has no settings (``{}``).
-    """
-    try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ProfileFileError(f"{path}: cannot read the admin profile ({e})") from None
-    stripped = text.lstrip()
-    if stripped.startswith("{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ProfileFileError(f"{path}: invalid JSON ({e})") from None
-        if data.get("format") != PROFILE_FORMAT:
-            raise ProfileFileError(
-                f"{path}: JSON with format {data.get('format')!r}; expected {PROFILE_FORMAT!r}"
-            )
-        version = data.get("version")
-        if version not in READABLE_VERSIONS:
-            raise ProfileFileError(
-                f"{path}: profile version {version!r}; this code reads versions "
-                f"{', '.join(map(str, READABLE_VERSIONS))}"
-            )
-        omegas = _check_omega_values(path, data.get("omegas"))
-        settings = data.get("settings", {})
-        if not isinstance(settings, dict):
-            raise ProfileFileError(f"{path}: 'settings' must be an object")
-        settings = dict(settings)
-        if version == 1:  # the code of version 1 profiled in eval mode only
-            settings.setdefault("admin_profile_mode", "eval")
-            if "include_padding" in settings:
-                settings.setdefault("admin_profile_include_padding",
-                                    bool(settings.pop("include_padding")))
-        return omegas, settings, "json"
-    return parse_clinic_profile(text, path), {}, "clinic"
-
-
-def compare_settings(
-    path: str,
-    file_settings: Mapping[str, object],
-    model_settings: Mapping[str, object],
-    keys: Sequence[str],
-) -> None:
-    """Raise :class:`ProfileFileError` listing every key of ``keys`` whose value in the
-    profile file differs from the model's (``--flag: file X, flags Y``; keys are argument
-    names, so the flag is ``--`` + the key with dashes). A key the file does not record
-    (an older file) is not compared."""
-    diffs = [
-        f"--{k.replace('_', '-')}: file {file_settings[k]!r}, flags {model_settings.get(k)!r}"
-        for k in keys
-        if k in file_settings and file_settings[k] != model_settings.get(k)
-    ]
-    if diffs:
-        raise ProfileFileError(
-            f"{path}: the admin profile was measured with other settings than the flags "
-            "given (" + "; ".join(diffs) + "). Use a profile measured with these settings, "
-            "or another --admin-profile-path to measure a new one."
-        )
-
-
-def check_profile_counts(
-    path: str,
-    omegas: Mapping[str, Sequence[float]],
-    expected: Mapping[str, int],
-    layers: Optional[Mapping[str, int]] = None,
-) -> None:
-    """Raise :class:`ProfileFileError` naming the file and both sets of counts when the
-    profile's number of omegas per stack differs from the model's residual sub-layers."""
-    got = {k: len(omegas.get(k, [])) for k in expected}
-    extra = sorted(set(omegas) - set(expected))
-    if got == dict(expected) and not extra:
-        return
-    have = " and ".join(f"{n} {k}" for k, n in got.items())
-    want = " and ".join(
-        f"{n} {k}" + (f" ({layers[k]} layers)" if layers and k in layers else "")
-        for k, n in expected.items()
-    )
-    msg = (
-        f"{path}: the admin profile has {have} omegas but the model has {want} residual "
-        "sub-layers (one omega per sub-layer: 2 per encoder layer, 3 per decoder layer)"
-    )
-    if extra:
-        msg += f"; unknown stacks in the file: {', '.join(extra)}"
-    raise ProfileFileError(
-        msg + ". Use a profile measured for this architecture, or another "
-        "--admin-profile-path to measure a new one."
-    )

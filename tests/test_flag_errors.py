@@ -301,7 +301,7 @@ def test_outside_fairseqs_tools_a_flag_error_keeps_its_traceback(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "fairseq_admin_pos.fairseq_fixes.flag_errors.AdminFlagError: --admin-init x is not valid")
+        "fairseq_admin_pos.errors.AdminFlagError: --admin-init x is not valid")
 
 
 # -- in-process: the pieces fairseq's process handling relies on ------------------------

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "fairseq_admin_pos"
-PURE = ("admin", "positional", "profiling", "schemes")
+PURE = ("admin", "errors", "norms", "placements", "positional", "profile_files",
+        "profile_stats", "profiling", "schemes")
 STDLIB = {"__future__", "contextlib", "json", "math", "numbers", "os", "tempfile", "typing"}
 
 

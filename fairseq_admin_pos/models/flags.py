@@ -1,0 +1,356 @@
+"""The flags of ``admin_transformer`` and their checks (fairseq glue, no model code).
+
+* :func:`add_args`: the plugin's flags and their help text;
+* :func:`admin_base_architecture`: their defaults (the ``admin_transformer`` architecture;
+  the plugin's flags have no argparse default, so None means "not given");
+* :func:`check_flags`: every check of a value or a combination, raising
+  :class:`~fairseq_admin_pos.errors.AdminFlagError` with one line naming the flags and the
+  valid choices (fairseq's tools print it as ``<prog>: error: ...``, exit status 2);
+* :func:`admin_settings`: the settings that travel with the weights and are compared when a
+  checkpoint is loaded (:data:`SETTING_KEYS`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+from fairseq.models.transformer.transformer_legacy import base_architecture
+
+from fairseq_admin_pos.errors import AdminFlagError
+from fairseq_admin_pos.models import admin_profile
+from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, SCALED_TABLES
+from fairseq_admin_pos.schemes import RESIDUAL_SCHEMES
+from fairseq_admin_pos.speed import compile as speed_compile
+
+ADMIN_INIT_CHOICES = ("closed-form", "profile", "none")
+OUTPUT_CHANGE_SCALES = ("O(logn)", "O(n)", "O(1)")
+OMEGA_FORMS = ("buffer", "parameter")
+
+# the flags whose values define the model's omegas and positions (checked on load)
+SETTING_KEYS = (
+    "admin_residual",
+    "admin_init",
+    "admin_output_change_scale",
+    "admin_omega",
+    "encoder_pos_emb",
+    "decoder_pos_emb",
+    "pos_emb_scaled_table",
+    "pos_emb_scale_init",
+    "admin_profile_mode",
+)
+
+
+def _choice(cfg, name: str, choices) -> str:
+    value = getattr(cfg, name, None)
+    if value not in choices:
+        flag = "--" + name.replace("_", "-")
+        raise AdminFlagError(f"{flag} {value!r} is not valid; valid choices: {', '.join(choices)}")
+    return value
+
+
+def admin_settings(cfg) -> Dict[str, str]:
+    """The validated plugin settings from an args namespace or TransformerConfig."""
+    settings = {
+        "admin_residual": _choice(cfg, "admin_residual", RESIDUAL_SCHEMES),
+        "admin_init": _choice(cfg, "admin_init", ADMIN_INIT_CHOICES),
+        "admin_output_change_scale": _choice(
+            cfg, "admin_output_change_scale", OUTPUT_CHANGE_SCALES
+        ),
+        "admin_omega": _choice(cfg, "admin_omega", OMEGA_FORMS),
+        "encoder_pos_emb": _choice(cfg, "encoder_pos_emb", POS_EMB_CHOICES),
+        "decoder_pos_emb": _choice(cfg, "decoder_pos_emb", POS_EMB_CHOICES),
+        # None unless a side uses scaled-sinusoid positions (resolve_position_flags)
+        "pos_emb_scaled_table": getattr(cfg, "pos_emb_scaled_table", None),
+        "pos_emb_scale_init": getattr(cfg, "pos_emb_scale_init", None),
+        # None unless --admin-init profile (then clinic or eval)
+        "admin_profile_mode": admin_profile.profile_mode(cfg),
+    }
+    return settings
+
+
+def check_layer_counts(args) -> None:
+    """Negative layer counts are refused (fairseq would silently build an empty stack).
+    0 is fairseq's own embedding-only stack and stays allowed where it means something:
+    not with DeepNorm (its constants need N, M >= 1) nor with profiling (nothing to profile
+    in that stack; :func:`admin_profile.check_profile_flags`)."""
+    for side in ("encoder", "decoder"):
+        n = getattr(args, f"{side}_layers", None)
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise AdminFlagError(f"--{side}-layers must be a non-negative integer; got {n!r}")
+        if n == 0 and residual_scheme(args) == "deepnorm":
+            raise AdminFlagError(
+                f"--{side}-layers 0 cannot be combined with --admin-residual deepnorm: DeepNet's "
+                "constants (N^4 M)^(1/16) need at least one encoder and one decoder layer"
+            )
+
+
+def residual_scheme(cfg) -> str:
+    # checkpoints and configs from before --admin-residual existed are Admin models
+    return getattr(cfg, "admin_residual", None) or "admin"
+
+
+def resolve_position_flags(args) -> None:
+    """Make ``--{encoder,decoder}-pos-emb`` and fairseq's own position flags agree.
+
+    Without the choice flag, fairseq's flags decide (``--no-token-positional-embeddings`` ->
+    ``none``, ``--*-learned-pos`` -> ``learned``, else ``sinusoidal``). With it, fairseq's flags
+    are set to match, and a contradiction is an error naming both flags.
+    """
+    no_pos = bool(getattr(args, "no_token_positional_embeddings", False))
+    for side in ("encoder", "decoder"):
+        key = f"{side}_pos_emb"
+        learned_key = f"{side}_learned_pos"
+        learned = bool(getattr(args, learned_key, False))
+        choice = getattr(args, key, None)
+        if choice is None:
+            choice = "none" if no_pos else ("learned" if learned else "sinusoidal")
+        elif choice not in POS_EMB_CHOICES:
+            raise AdminFlagError(
+                f"--{side}-pos-emb {choice!r} is not valid; valid choices: "
+                f"{', '.join(POS_EMB_CHOICES)}"
+            )
+        if no_pos and choice != "none":
+            raise AdminFlagError(
+                f"--no-token-positional-embeddings contradicts --{side}-pos-emb {choice}; "
+                f"use --{side}-pos-emb none (or drop one of the two flags)"
+            )
+        if learned and choice != "learned":
+            raise AdminFlagError(
+                f"--{side}-learned-pos contradicts --{side}-pos-emb {choice}; "
+                f"use --{side}-pos-emb learned (or drop one of the two flags)"
+            )
+        setattr(args, key, choice)
+        setattr(args, learned_key, choice == "learned")
+    # fairseq's global switch only when both sides have no positions; one-sided `none` is
+    # handled by the encoder/decoder above.
+    args.no_token_positional_embeddings = (
+        args.encoder_pos_emb == "none" and args.decoder_pos_emb == "none"
+    )
+    resolve_scaled_position_flags(args)
+
+
+def resolve_scaled_position_flags(args) -> None:
+    """``--pos-emb-scaled-table`` / ``--pos-emb-scale-init`` configure ``scaled-sinusoidal``
+    positions only: refused (naming both flags) when no side uses them, validated, and the
+    table defaulted to ``interleaved``; both stay None otherwise."""
+    table = getattr(args, "pos_emb_scaled_table", None)
+    scale = getattr(args, "pos_emb_scale_init", None)
+    if "scaled-sinusoidal" not in (args.encoder_pos_emb, args.decoder_pos_emb):
+        given = [f"--pos-emb-scaled-table {table}" if table is not None else None,
+                 f"--pos-emb-scale-init {scale}" if scale is not None else None]
+        given = [g for g in given if g]
+        if given:
+            raise AdminFlagError(
+                f"{' and '.join(given)} only apply to scaled-sinusoid positions, but "
+                f"--encoder-pos-emb is {args.encoder_pos_emb} and --decoder-pos-emb is "
+                f"{args.decoder_pos_emb}; use --encoder-pos-emb/--decoder-pos-emb "
+                "scaled-sinusoidal or drop --pos-emb-scaled-table/--pos-emb-scale-init"
+            )
+        args.pos_emb_scaled_table = None
+        args.pos_emb_scale_init = None
+        return
+    if table is None:
+        table = "interleaved"
+    elif table not in SCALED_TABLES:
+        raise AdminFlagError(
+            f"--pos-emb-scaled-table {table!r} is not valid; valid choices: "
+            f"{', '.join(SCALED_TABLES)}"
+        )
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+                or not math.isfinite(scale):
+            raise AdminFlagError(f"--pos-emb-scale-init must be a finite number; got {scale!r}")
+        scale = float(scale)
+    args.pos_emb_scaled_table = table
+    args.pos_emb_scale_init = scale
+
+
+def check_compile_flags(args) -> None:
+    """``--admin-compile layers`` compiles the layers themselves; fairseq's activation
+    checkpointing wraps them in a function that recomputes the forward, which the compiled
+    layers do not support."""
+    if args.admin_compile not in speed_compile.COMPILE_CHOICES:
+        raise AdminFlagError(f"--admin-compile {args.admin_compile!r} is not valid; valid choices: "
+                         f"{', '.join(speed_compile.COMPILE_CHOICES)}")
+    if args.admin_compile == "layers" and (getattr(args, "checkpoint_activations", False)
+                                           or getattr(args, "offload_activations", False)):
+        raise AdminFlagError(
+            "--admin-compile layers cannot be combined with --checkpoint-activations / "
+            "--offload-activations; use one of the two (--admin-compile none keeps "
+            "activation checkpointing)"
+        )
+
+
+def check_normalize_before(args) -> None:
+    """Pre-LN with Admin omegas is not a published configuration: refuse it clearly."""
+    pre_ln = [
+        flag
+        for flag, on in (
+            ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
+            ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
+        )
+        if on
+    ]
+    if pre_ln and args.admin_init != "none":
+        raise AdminFlagError(
+            f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-init "
+            f"{args.admin_init}: Admin rescales the shortcut of Post-LN layers. For the Pre-LN "
+            "baseline use --admin-init none."
+        )
+
+
+def check_residual_scheme(args) -> None:
+    """DeepNorm, ReZero, B2T and ResiDual set their shortcut weights themselves and are Post-LN
+    (or LN-free) schemes: refuse the combinations that would silently mean something else.
+    B2T and ResiDual use the plain shortcut ``x + f(x)``: neither paper weights it, and
+    Admin's omega inside their Post-LN sub-layers would be a new, untested scheme."""
+    scheme = args.admin_residual
+    if scheme == "admin":
+        return
+    if args.admin_init != "none":
+        raise AdminFlagError(
+            f"--admin-residual {scheme} sets its own shortcut weights; it cannot be combined "
+            f"with --admin-init {args.admin_init} (valid with {scheme}: --admin-init none, "
+            f"the default for {scheme}; drop --admin-init), or use --admin-residual admin "
+            "for Admin's omegas"
+        )
+    if args.admin_omega != "buffer":
+        raise AdminFlagError(
+            f"--admin-omega {args.admin_omega} is Admin's trainable omega and does not apply "
+            f"to --admin-residual {scheme} (DeepNorm's alpha is a constant, ReZero's scalar is "
+            "always trained, B2T and ResiDual add the plain shortcut x); valid with "
+            f"{scheme}: --admin-omega buffer (the default; drop --admin-omega)"
+        )
+    pre_ln = [
+        flag
+        for flag, on in (
+            ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
+            ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
+        )
+        if on
+    ]
+    if pre_ln:
+        kind = "has no sub-layer LayerNorm" if scheme == "rezero" else "is a Post-LN scheme"
+        raise AdminFlagError(
+            f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-residual "
+            f"{scheme}: {scheme} {kind}. For the Pre-LN baseline use --admin-residual admin "
+            "--admin-init none"
+        )
+
+def check_flags(args) -> None:
+    """Resolve the position flags and check every plugin flag of ``args`` (architecture
+    defaults already applied); the first problem raises :class:`AdminFlagError`."""
+    resolve_position_flags(args)
+    admin_settings(args)  # validates every choice with a message naming the flag
+    check_layer_counts(args)
+    check_normalize_before(args)
+    check_residual_scheme(args)
+    admin_profile.check_profile_flags(args)
+    check_compile_flags(args)
+
+
+def add_args(parser) -> None:
+    """The plugin's flags (``--admin-*``, ``--*-pos-emb``, ``--pos-emb-*``,
+    ``--admin-profile-*``), added to fairseq's model-specific group; none has an argparse
+    default, so None means "not given" (:func:`admin_base_architecture` fills them in)."""
+    group = parser
+    group.add_argument(
+        "--admin-residual",
+        choices=RESIDUAL_SCHEMES,
+        help="residual scheme of every sub-layer: admin = LN(x * omega + f(x)) (Liu et al. "
+        "2020, see --admin-init); deepnorm = LN(alpha * x + f(x)) with DeepNet's alpha and "
+        "beta-scaled init (Wang et al. 2022, arXiv 2203.00555); rezero = x + a * f(x), a "
+        "a trainable scalar from 0, no LayerNorm (Bachlechner et al. 2020, arXiv "
+        "2003.04887); rezero-post-ln = LN(x + a * f(x)); b2t = Post-LN plus the layer "
+        "input added into each layer's last LN, LN(h + f(h) + x), Linear weights x "
+        "N^-1/2 (Takase et al. 2023, B2T connection, Findings of ACL); resi-dual = "
+        "Post-LN stream LN(x + f(x)) plus the dual sum d + f(x), stack output "
+        "x_N + LN(d_N) (Xie et al. 2023, ResiDual, arXiv 2304.14802). The rivals of "
+        "admin take no --admin-init/--admin-omega and no Pre-LN. Default: admin",
+    )
+    group.add_argument(
+        "--admin-init",
+        choices=ADMIN_INIT_CHOICES,
+        help="how each residual sub-layer's omega in LN(x * omega + f(x)) is initialised: "
+        "closed-form = sqrt of admin-torch's calculate_init(N) with N the residual "
+        "sub-layers of that stack (2 per encoder layer, 3 per decoder layer); "
+        "profile = Admin's profiling (Liu et al. 2020): omegas from the output variances "
+        "measured on the first training batch(es) before the first update, in the same "
+        "fairseq-train command (see --admin-profile-*); "
+        "none = omega 1 (stock Post-LN, or Pre-LN with --*-normalize-before). "
+        "Default: closed-form",
+    )
+    group.add_argument(
+        "--admin-output-change-scale",
+        choices=OUTPUT_CHANGE_SCALES,
+        help="output change at initialisation targeted by --admin-init closed-form: "
+        "O(logn): omega^2 = (N+1)/ln(N+1) - 1; O(1): omega^2 = N; O(n): omega^2 = 1. "
+        "Default: O(logn)",
+    )
+    group.add_argument(
+        "--admin-omega",
+        choices=OMEGA_FORMS,
+        help="buffer: omega is one fixed scalar per sub-layer; parameter: a trainable "
+        "vector of size embed_dim per sub-layer (Transformer-Clinic). Default: buffer",
+    )
+    for side in ("encoder", "decoder"):
+        group.add_argument(
+            f"--{side}-pos-emb",
+            choices=POS_EMB_CHOICES,
+            help=f"{side} absolute positions: sinusoidal = fairseq's table; "
+            "scaled-sinusoidal = a sinusoid table (--pos-emb-scaled-table) times a "
+            "learnable scalar (--pos-emb-scale-init) (FLASH, arXiv 2202.10447); "
+            "learned = fairseq's learned table; "
+            f"none = no positions. Default: from --{side}-learned-pos / "
+            "--no-token-positional-embeddings, else sinusoidal",
+        )
+    group.add_argument(
+        "--pos-emb-scaled-table",
+        choices=tuple(SCALED_TABLES),
+        help="table of scaled-sinusoidal positions (both sides): interleaved = Vaswani's "
+        "sin/cos pairs of one frequency in adjacent columns, exponent 2*floor(i/2)/d; "
+        "seed = the seed module's table, exponent 2*i/d per column; fairseq = exactly "
+        "the sinusoidal choice's table ([sin | cos] halves, spacing ln(10000)/(d/2 - 1)). "
+        "Only with --encoder-pos-emb/--decoder-pos-emb scaled-sinusoidal. "
+        "Default: interleaved",
+    )
+    group.add_argument(
+        "--pos-emb-scale-init",
+        type=float,
+        metavar="FLOAT",
+        help="initial value of the learnable scalar of scaled-sinusoidal positions (both "
+        "sides). fairseq multiplies tokens by sqrt(d), so 1/sqrt(d) starts positions "
+        "about sqrt(d) times weaker than fairseq's sinusoid; 1 with "
+        "--pos-emb-scaled-table fairseq starts exactly at the sinusoidal model. "
+        "Default: 1/sqrt(d), the seed's",
+    )
+    admin_profile.add_profile_args(group)
+    group.add_argument(
+        "--admin-compile",
+        choices=speed_compile.COMPILE_CHOICES,
+        help="none = eager PyTorch; layers = compile every layer's training forward and "
+        "backward with torch.compile (TorchInductor, dynamic shapes), same module tree "
+        "and checkpoints, dropout's random numbers as in eager mode, results equal up to "
+        "float rounding; the first update pays the compilation. Validation and generation "
+        "stay eager. Experimental: on a CPU it measured slower than eager (docs/speed.md), "
+        "on a GPU it is not measured yet. Not with --checkpoint-activations. Default: none",
+    )
+
+
+def _default(args, name, value):
+    # the plugin's flags have no argparse default, so None means "not given"
+    if getattr(args, name, None) is None:
+        setattr(args, name, value)
+
+
+def admin_base_architecture(args):
+    """Transformer base (512/2048/8 heads, 6L-6L) with Admin closed-form O(logn) omegas."""
+    _default(args, "admin_residual", "admin")
+    # the rivals set their own shortcut weights: Admin's omega stays 1 for them
+    _default(args, "admin_init", "closed-form" if args.admin_residual == "admin" else "none")
+    _default(args, "admin_output_change_scale", "O(logn)")
+    _default(args, "admin_omega", "buffer")
+    _default(args, "admin_compile", "none")
+    base_architecture(args)
