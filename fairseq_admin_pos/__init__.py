@@ -2,15 +2,20 @@
 
 Layout:
 
+* at the bottom, importing nothing: :mod:`~fairseq_admin_pos.errors` (the errors a user
+  can cause, printed by fairseq's tools as one ``<prog>: error:`` line);
 * pure torch, no fairseq: :mod:`~fairseq_admin_pos.admin` (Admin residual, admin-torch's
   API), :mod:`~fairseq_admin_pos.positional` (absolute position modules, the seed's API),
-  :mod:`~fairseq_admin_pos.profiling` (Admin's profiling statistics and recurrence),
-  :mod:`~fairseq_admin_pos.schemes` (DeepNorm, ReZero);
+  :mod:`~fairseq_admin_pos.profiling` (Admin's profiling; its statistics and recurrence in
+  :mod:`~fairseq_admin_pos.profile_stats`, its files in :mod:`~fairseq_admin_pos.profile_files`),
+  :mod:`~fairseq_admin_pos.schemes` (DeepNorm, ReZero), :mod:`~fairseq_admin_pos.norms`
+  (DyT) and :mod:`~fairseq_admin_pos.placements` (Post-/Pre-/Peri-/Mix-LN);
 * fairseq glue: :mod:`~fairseq_admin_pos.models` (the ``admin_transformer`` model, its
   layers, positions and profiling trigger) and :mod:`~fairseq_admin_pos.optim` (``radam``);
 * :mod:`~fairseq_admin_pos.fairseq_fixes`: narrow fixes to the fairseq we run on
   (torch >= 2.6 checkpoint loading, ``--help`` with the model's flags, batching that no
-  longer drops the last sentences of a split, a bad model flag as one ``error:`` line);
+  longer drops the last sentences of a split, a bad model flag as one ``error:`` line); they
+  sit below the models, which :func:`register` hands them;
 * :mod:`~fairseq_admin_pos.speed`: the training step's multi-tensor Adam and clipping for
   the plugin's models (same numbers, fewer operations; ``docs/speed.md``);
 * :mod:`~fairseq_admin_pos.cli`: ``fairseq-admin-analyze``,

@@ -24,7 +24,7 @@ checkpoints, logs, ``results.json`` with the BLEU, its signature and timings; a 
 the recipe it started with), so ``--scheme post-ln`` trains the baseline next to the
 default with the same data and recipe, and the last lines compare every scheme run so far.
 With the defaults it took 13.6 minutes on an idle 2-core AMD EPYC and 19.6 minutes on a
-2-core Intel Xeon (2.8 GHz) (BLEU 28.50 / 29.23; README).
+2-core Intel Xeon (2.8 GHz) (BLEU 28.50 / 29.23; README.md and docs/demo.md).
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ How ``fairseq-generate --beam K --lenpen L --max-len-a A --max-len-b B`` (fairse
   forced decoding (``score_batch``: fairseq's log-probabilities, CTranslate2 appending EOS)
   and ranked as fairseq ranks them. What can still differ: a live beam that ranked below K
   at the step before the limit, and a hypothesis finished earlier that neither search
-  returned (each returns K); on the demo's test set (README) no sentence was left with a
+  returned (each returns K); on the demo's test set (docs/deployment.md) no sentence was left with a
   difference at the limit.
 * **padding**: fairseq never generates ``<pad>`` (its log-probability is set to -inf);
   CTranslate2's converter renames it ``<blank>``, which ``suppress_sequences`` disables.
