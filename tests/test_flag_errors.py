@@ -47,6 +47,12 @@ TRAIN_CASES = {
         ["--admin-residual", "deepnorm", "--decoder-layers", "0"],
         "--decoder-layers 0 cannot be combined with --admin-residual deepnorm: DeepNet's "
         "constants (N^4 M)^(1/16) need at least one encoder and one decoder layer"),
+    "decoder-without-layers": (
+        ["--decoder-layers", "0"],
+        "--decoder-layers 0 leaves admin_transformer a decoder of only the target embedding "
+        "and the output projection, with no attention to the encoder: the translation would "
+        "not depend on the source; valid: --decoder-layers 1 or more (1 is the deep-encoder, "
+        "shallow-decoder shape)"),
     "no-positions-contradicts-choice": (
         ["--no-token-positional-embeddings", "--encoder-pos-emb", "learned"],
         "--no-token-positional-embeddings contradicts --encoder-pos-emb learned; use "

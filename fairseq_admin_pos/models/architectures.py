@@ -70,17 +70,40 @@ DEEP_PRESETS = {
     "100l_100l": (100, 100),
 }
 
+# Deep encoder, shallow decoder (Kasai, Pappas, Peng, Cross & Smith, "Deep Encoder, Shallow
+# Decoder: Reevaluating Non-autoregressive Machine Translation", ICLR 2021, arXiv 2006.10369;
+# code jungokasai/deep-shallow), at the same base width, trained there as stock fairseq
+# ``transformer`` (Post-LN). Each decoder layer has 3 residual sub-layers, so the closed form's
+# decoder N is 3 for a 1-layer decoder (6 for 2 layers). name: (encoder, decoder, source)
+_KASAI = "Kasai et al., ICLR 2021 (arXiv 2006.10369)"
+_CLINIC_REPORT = ("a shape with which users of Admin's reference code (Transformer-Clinic) "
+                  "report divergence on WMT14 En-De where 12L-12L trains")
+SHALLOW_DECODER_PRESETS = {
+    "6l_1l": (6, 1, f"{_KASAI}: the published WMT16 En-De 6-1 model (27.4 BLEU with "
+                    "distillation)"),
+    "12l_1l": (12, 1, f"{_KASAI}: the published WMT16 En-De 12-1 model (26.9 BLEU; 28.3 "
+                      "with distillation)"),
+    "12l_2l": (12, 2, f"deep encoder, shallow decoder ({_KASAI}); {_CLINIC_REPORT}"),
+    "18l_1l": (18, 1, f"deep encoder, shallow decoder ({_KASAI}); {_CLINIC_REPORT}"),
+    "18l_2l": (18, 2, f"deep encoder, shallow decoder ({_KASAI}); {_CLINIC_REPORT}"),
+    "24l_1l": (24, 1, f"deep encoder, shallow decoder ({_KASAI}): a deeper encoder than "
+                      "the published 12-1"),
+}
 
-def _register_deep(name: str, enc: int, dec: int):
+
+def _register_deep(name: str, enc: int, dec: int, source: str = ""):
     def arch(args):
         args.encoder_layers = getattr(args, "encoder_layers", enc)
         args.decoder_layers = getattr(args, "decoder_layers", dec)
         admin_transformer_wmt_en_de(args)
 
-    arch.__doc__ = f"WMT14 base width 512/2048/8 heads, {enc}L encoder, {dec}L decoder."
+    arch.__doc__ = (f"WMT14 base width 512/2048/8 heads, {enc}L encoder, {dec}L decoder"
+                    + (f": {source}." if source else "."))
     arch.__name__ = f"admin_transformer_wmt_en_de_{name}"
     register_model_architecture("admin_transformer", arch.__name__)(arch)
 
 
 for _name, (_enc, _dec) in DEEP_PRESETS.items():
     _register_deep(_name, _enc, _dec)
+for _name, (_enc, _dec, _source) in SHALLOW_DECODER_PRESETS.items():
+    _register_deep(_name, _enc, _dec, _source)

@@ -70,9 +70,12 @@ def admin_settings(cfg) -> Dict[str, str]:
 
 def check_layer_counts(args) -> None:
     """Negative layer counts are refused (fairseq would silently build an empty stack).
-    0 is fairseq's own embedding-only stack and stays allowed where it means something:
-    not with DeepNorm (its constants need N, M >= 1) nor with profiling (nothing to profile
-    in that stack; :func:`admin_profile.check_profile_flags`)."""
+    0 is fairseq's own embedding-only stack and stays allowed for the encoder (the decoder
+    then attends to the source embeddings), but not with DeepNorm (its constants need
+    N, M >= 1) nor with profiling (nothing to profile in that stack;
+    :func:`admin_profile.check_profile_flags`). A decoder of 0 layers is refused: it would
+    be the target embedding and the output projection alone, with no encoder attention, so
+    the translation could not depend on the source (DeepNorm's own message comes first)."""
     for side in ("encoder", "decoder"):
         n = getattr(args, f"{side}_layers", None)
         if n is None:
@@ -83,6 +86,13 @@ def check_layer_counts(args) -> None:
             raise AdminFlagError(
                 f"--{side}-layers 0 cannot be combined with --admin-residual deepnorm: DeepNet's "
                 "constants (N^4 M)^(1/16) need at least one encoder and one decoder layer"
+            )
+        if n == 0 and side == "decoder":
+            raise AdminFlagError(
+                "--decoder-layers 0 leaves admin_transformer a decoder of only the target "
+                "embedding and the output projection, with no attention to the encoder: the "
+                "translation would not depend on the source; valid: --decoder-layers 1 or more "
+                "(1 is the deep-encoder, shallow-decoder shape)"
             )
 
 
