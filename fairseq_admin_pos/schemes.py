@@ -21,7 +21,17 @@ one scheme per model with ``--admin-residual``:
 ``resi-dual``       Post-LN stream ``LN(x + f(x))`` and    Xie et al. 2023, "ResiDual:
                     the dual sum ``d + f(x)``; stack       Transformer with Dual Residual
                     output ``x_N + LN(d_N)``               Connections", arXiv 2304.14802
+``peri-ln``         ``x + LN_out(f(LN(x)))``; a final LN   Kim et al. 2025 (ICML), "Peri-LN"
+                    on each stack                          arXiv 2502.02732
+``mix-ln``          Post-LN in a stack's first             Li, Yin and Liu 2025 (ICLR),
+                    ``floor(alpha L)`` layers, Pre-LN      "Mix-LN", arXiv 2412.13795
+                    above
 ==================  =====================================  ==================================
+
+``peri-ln`` and ``mix-ln`` are LayerNorm *placements* with the plain shortcut ``x + f(x)``:
+their formulas and per-stack rules are :mod:`fairseq_admin_pos.placements`, their fairseq
+layers :mod:`fairseq_admin_pos.models.norm_layers`. The normalisation module itself
+(LayerNorm or DyT, ``--admin-norm``) is :mod:`fairseq_admin_pos.norms`.
 
 B2T and ResiDual change the *layer* and the *stack* (a term that skips sub-layers, a second
 stream), which a per-sub-layer residual module cannot express: their layers and stacks are in
@@ -84,7 +94,8 @@ __all__ = [
 ]
 
 #: the ``--admin-residual`` choices, in the order of the table above
-RESIDUAL_SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln", "b2t", "resi-dual")
+RESIDUAL_SCHEMES = ("admin", "deepnorm", "rezero", "rezero-post-ln", "b2t", "resi-dual",
+                    "peri-ln", "mix-ln")
 
 #: dtypes whose rounding of a fixed shortcut weight would bias every step (omega = 3.04
 #: is 3.03125 in bfloat16, 3.041 in float16)

@@ -39,7 +39,15 @@ vector of size ``embed_dim`` (Transformer-Clinic's form).
   layer's last LayerNorm (``LN(h + f(h) + x)``), every Linear weight of a layer scaled by
   ``N^(-1/2)`` at initialisation;
 * ``resi-dual``: ResiDual's Post-LN stream ``LN(x + f(x))`` plus the dual stream
-  ``d + f(x)`` (float32), stack output ``x_N + LN(d_N)``.
+  ``d + f(x)`` (float32), stack output ``x_N + LN(d_N)``;
+* ``peri-ln``: ``x + dropout(LN_out(f(LN(x))))`` and a final LayerNorm per stack;
+* ``mix-ln``: Post-LN in the first ``floor(alpha L)`` layers of each stack, Pre-LN above
+  (``--mix-ln-alpha``, 0.25), a final LayerNorm unless every layer is Post-LN.
+
+``--admin-norm dyt`` makes every normalisation module a DyT (``g * tanh(alpha x) + b``),
+whatever the placement. Peri-LN, Mix-LN and DyT are built by
+:mod:`fairseq_admin_pos.models.norm_layers` (placements and modules in
+:mod:`fairseq_admin_pos.placements` and :mod:`fairseq_admin_pos.norms`).
 
 B2T's layers and ResiDual's layers and stacks are in
 :mod:`fairseq_admin_pos.models.b2t_resi_dual` (formulas and sources there).
@@ -98,6 +106,7 @@ from fairseq_admin_pos.models.flags import (  # noqa: F401  (importable from her
     admin_settings,
     residual_scheme,
 )
+from fairseq_admin_pos.models import norm_layers
 from fairseq_admin_pos.models.positions import build_positions
 from fairseq_admin_pos.speed import compile as speed_compile
 from fairseq_admin_pos.schemes import (
@@ -140,12 +149,13 @@ def residual_factory(cfg, side: str):
     admin: :class:`Float32OmegaResidual` with this side's initial omega and the chosen form;
     deepnorm: the same with omega = DeepNorm's alpha of this side (a float32 buffer);
     rezero / rezero-post-ln: :class:`ReZeroResidual` (``x + a * f_x``, ``a`` = 0);
-    b2t / resi-dual: the plain ``x + f_x`` (omega = 1 as a buffer: stock fairseq's sum).
+    b2t / resi-dual / peri-ln / mix-ln: the plain ``x + f_x`` (omega = 1 as a buffer: stock
+    fairseq's sum).
     """
     scheme = residual_scheme(cfg)
     if scheme in ("rezero", "rezero-post-ln"):
         return lambda embed_dim: ReZeroResidual(0.0)
-    if scheme in ("b2t", "resi-dual"):
+    if scheme in ("b2t", "resi-dual", *norm_layers.PLACEMENT_SCHEMES):
         return lambda embed_dim: Float32OmegaResidual(1.0, as_parameter=False)
     if scheme == "deepnorm":
         alpha = deepnorm_side_constants(cfg, side)[0]
@@ -176,6 +186,28 @@ def _scheme_layer(cfg, side: str, layer: nn.Module) -> nn.Module:
     return layer
 
 
+def stack_norms(cfg, side: str) -> norm_layers.StackNorms:
+    """The LayerNorm placement and module of the ``side`` stack from the model's flags
+    (``cfg`` a TransformerConfig with the plugin's settings, flags already checked)."""
+    scheme = residual_scheme(cfg)
+    if scheme in norm_layers.PLACEMENT_SCHEMES:
+        placement = scheme
+    else:
+        placement = "pre-ln" if getattr(cfg, side).normalize_before else "post-ln"
+    options = {k: getattr(cfg, k) for k in ("mix_ln_alpha", "dyt_alpha_init")
+               if getattr(cfg, k, None) is not None}
+    return norm_layers.StackNorms(placement, getattr(cfg, side).layers,
+                                  kind=getattr(cfg, "admin_norm", None) or "layernorm",
+                                  export=bool(getattr(cfg, "export", False)), **options)
+
+
+def _next_layer_index(stack: nn.Module) -> int:
+    # fairseq builds a stack's layers bottom up, one build_*_layer call each
+    index = stack.__dict__.get("_layers_built", 0)
+    stack.__dict__["_layers_built"] = index + 1
+    return index
+
+
 def _wrap_layer(cfg, layer: nn.Module) -> nn.Module:
     # same wrapping as fairseq's build_*_layer, so --checkpoint-activations and FSDP work
     checkpoint = cfg.checkpoint_activations
@@ -190,7 +222,10 @@ class AdminTransformerEncoder(HostSyncFreeEncoderBase):
     forward reads nothing back to the host, see ``layers.HostSyncFreeEncoderBase``)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
+        norms = stack_norms(cfg, "encoder")
+        cfg = norm_layers.stack_config(cfg, "encoder", norms)
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        norm_layers.configure_stack(self, norms)
         # fairseq built sinusoidal or learned positions (the learned ones from cfg, so the
         # random stream is the stock one); swap in the other choices after the fact.
         if cfg.encoder_pos_emb in ("scaled-sinusoidal", "none"):
@@ -211,6 +246,7 @@ class AdminTransformerEncoder(HostSyncFreeEncoderBase):
             return_fc=self.return_fc,
             sublayer_layer_norm=residual_scheme(cfg) != "rezero",
         )
+        norm_layers.configure_layer(layer, stack_norms(cfg, "encoder"), _next_layer_index(self))
         return _wrap_layer(cfg, _scheme_layer(cfg, "encoder", layer))
 
 
@@ -219,6 +255,8 @@ class AdminTransformerDecoder(HostSyncFreeDecoderBase):
     forward reads nothing back to the host, see ``layers.HostSyncFreeDecoderBase``)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        norms = stack_norms(cfg, "decoder")
+        cfg = norm_layers.stack_config(cfg, "decoder", norms)
         super().__init__(
             cfg,
             dictionary,
@@ -226,6 +264,7 @@ class AdminTransformerDecoder(HostSyncFreeDecoderBase):
             no_encoder_attn=no_encoder_attn,
             output_projection=output_projection,
         )
+        norm_layers.configure_stack(self, norms)
         if cfg.decoder_pos_emb in ("scaled-sinusoidal", "none"):
             self.embed_positions = build_positions(
                 cfg.decoder_pos_emb,
@@ -244,6 +283,7 @@ class AdminTransformerDecoder(HostSyncFreeDecoderBase):
             no_encoder_attn=no_encoder_attn,
             sublayer_layer_norm=residual_scheme(cfg) != "rezero",
         )
+        norm_layers.configure_layer(layer, stack_norms(cfg, "decoder"), _next_layer_index(self))
         return _wrap_layer(cfg, _scheme_layer(cfg, "decoder", layer))
 
 

@@ -18,7 +18,10 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 
 from fairseq_admin_pos.errors import AdminFlagError
 from fairseq_admin_pos.models import admin_profile
+from fairseq_admin_pos.models.norm_layers import PLACEMENT_SCHEMES
 from fairseq_admin_pos.models.positions import POS_EMB_CHOICES, SCALED_TABLES
+from fairseq_admin_pos.norms import DYT_ALPHA_INIT, NORM_CHOICES, check_dyt_alpha_init
+from fairseq_admin_pos.placements import MIX_LN_ALPHA, check_mix_ln_alpha
 from fairseq_admin_pos.schemes import RESIDUAL_SCHEMES
 from fairseq_admin_pos.speed import compile as speed_compile
 
@@ -37,6 +40,9 @@ SETTING_KEYS = (
     "pos_emb_scaled_table",
     "pos_emb_scale_init",
     "admin_profile_mode",
+    "admin_norm",
+    "mix_ln_alpha",
+    "dyt_alpha_init",
 )
 
 
@@ -64,7 +70,14 @@ def admin_settings(cfg) -> Dict[str, str]:
         "pos_emb_scale_init": getattr(cfg, "pos_emb_scale_init", None),
         # None unless --admin-init profile (then clinic or eval)
         "admin_profile_mode": admin_profile.profile_mode(cfg),
+        # layernorm (checkpoints from before --admin-norm) or dyt
+        "admin_norm": getattr(cfg, "admin_norm", None) or "layernorm",
+        # None unless --admin-residual mix-ln / --admin-norm dyt (check_norm_flags)
+        "mix_ln_alpha": getattr(cfg, "mix_ln_alpha", None),
+        "dyt_alpha_init": getattr(cfg, "dyt_alpha_init", None),
     }
+    if settings["admin_norm"] not in NORM_CHOICES:
+        _choice(cfg, "admin_norm", NORM_CHOICES)
     return settings
 
 
@@ -215,9 +228,14 @@ def check_residual_scheme(args) -> None:
     """DeepNorm, ReZero, B2T and ResiDual set their shortcut weights themselves and are Post-LN
     (or LN-free) schemes: refuse the combinations that would silently mean something else.
     B2T and ResiDual use the plain shortcut ``x + f(x)``: neither paper weights it, and
-    Admin's omega inside their Post-LN sub-layers would be a new, untested scheme."""
+    Admin's omega inside their Post-LN sub-layers would be a new, untested scheme. Peri-LN
+    and Mix-LN are LayerNorm placements with the plain shortcut (Post-LN/Pre-LN semantics,
+    ``--admin-init none``) that set every layer's placement themselves."""
     scheme = args.admin_residual
     if scheme == "admin":
+        return
+    if scheme in PLACEMENT_SCHEMES:
+        _check_placement_scheme(args, scheme)
         return
     if args.admin_init != "none":
         raise AdminFlagError(
@@ -249,6 +267,114 @@ def check_residual_scheme(args) -> None:
             "--admin-init none"
         )
 
+
+_PLACEMENT_WHAT = {
+    "peri-ln": "a LayerNorm on the input and on the output of every sub-layer",
+    "mix-ln": "Post-LN in the first floor(alpha L) layers of each stack, Pre-LN above; "
+              "--mix-ln-alpha 0 is Pre-LN",
+}
+
+
+def _check_placement_scheme(args, scheme: str) -> None:
+    # Peri-LN / Mix-LN: the plain shortcut x + f(x), their own placement in every layer
+    if args.admin_init != "none":
+        raise AdminFlagError(
+            f"--admin-residual {scheme} uses the plain shortcut x + f(x) (Admin's omegas inside "
+            f"another LayerNorm placement would be a new, untested scheme); it cannot be "
+            f"combined with --admin-init {args.admin_init} (valid with {scheme}: --admin-init "
+            f"none, the default for {scheme}; drop --admin-init), or use --admin-residual admin "
+            "for Admin's omegas"
+        )
+    if args.admin_omega != "buffer":
+        raise AdminFlagError(
+            f"--admin-omega {args.admin_omega} is Admin's trainable omega and does not apply "
+            f"to --admin-residual {scheme} (the plain shortcut x); valid with {scheme}: "
+            "--admin-omega buffer (the default; drop --admin-omega)"
+        )
+    pre_ln = [flag for flag, on in (
+        ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
+        ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
+    ) if on]
+    if pre_ln:
+        raise AdminFlagError(
+            f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-residual "
+            f"{scheme}: {scheme} sets every layer's LayerNorm placement itself "
+            f"({_PLACEMENT_WHAT[scheme]}); drop {' and '.join(pre_ln)}"
+        )
+    if scheme == "mix-ln":
+        for side in ("encoder", "decoder"):
+            if getattr(args, f"{side}_layers", None) == 0:
+                raise AdminFlagError(
+                    f"--{side}-layers 0 cannot be combined with --admin-residual mix-ln: a "
+                    "stack without layers has no Post-LN/Pre-LN split (alpha 0 would end it "
+                    "with a LayerNorm, alpha 1 would not); use at least one layer"
+                )
+
+
+#: why ``--admin-norm dyt`` is refused with each of Admin's rivals (one line each)
+DYT_REFUSED = {
+    "deepnorm": "DeepNet derives its alpha and beta for Post-LN sub-layers whose LayerNorm "
+                "normalises each sum LN(alpha x + f(x)), and DyT does not normalise",
+    "rezero": "ReZero has no normalisation layer for DyT to replace",
+    "rezero-post-ln": "ReZero starts every sub-layer as the identity (a = 0), which a "
+                      "LayerNorm of a LayerNorm output keeps and DyT does not: tanh(alpha x) "
+                      "shrinks the stream again at every sub-layer",
+    "b2t": "B2T's bottom-to-top term and its N^(-1/2) initialisation answer the vanishing "
+           "gradient through Post-LN's LayerNorms, an analysis of LayerNorm that does not "
+           "carry over to DyT",
+    "resi-dual": "ResiDual's stack output x_N + LN(d_N) needs a normalisation of the dual "
+                 "stream, an unbounded sum of every branch output, which DyT's tanh would "
+                 "saturate instead of normalise",
+}
+
+
+def check_norm_flags(args) -> None:
+    """``--admin-norm``, ``--dyt-alpha-init`` and ``--mix-ln-alpha``: each refused where it
+    would be silently ignored (given without DyT / without Mix-LN) or where the scheme
+    assumes LayerNorm (Admin's closed form, and the rivals in :data:`DYT_REFUSED`); the two
+    values validated and defaulted (DyT's 0.5, Mix-LN's 0.25) where they apply, None
+    elsewhere."""
+    scheme, norm = args.admin_residual, args.admin_norm
+    alpha = getattr(args, "mix_ln_alpha", None)
+    if alpha is not None and scheme != "mix-ln":
+        raise AdminFlagError(
+            f"--mix-ln-alpha {alpha} only applies to --admin-residual mix-ln (its fraction of "
+            f"Post-LN layers per stack), but --admin-residual is {scheme}; use "
+            "--admin-residual mix-ln or drop --mix-ln-alpha"
+        )
+    dyt_alpha = getattr(args, "dyt_alpha_init", None)
+    if dyt_alpha is not None and norm != "dyt":
+        raise AdminFlagError(
+            f"--dyt-alpha-init {dyt_alpha} only applies to --admin-norm dyt (DyT's initial "
+            f"tanh scale alpha), but --admin-norm is {norm}; add --admin-norm dyt or drop "
+            "--dyt-alpha-init"
+        )
+    try:
+        args.mix_ln_alpha = (check_mix_ln_alpha(MIX_LN_ALPHA if alpha is None else alpha)
+                             if scheme == "mix-ln" else None)
+        args.dyt_alpha_init = (check_dyt_alpha_init(DYT_ALPHA_INIT if dyt_alpha is None
+                                                    else dyt_alpha)
+                               if norm == "dyt" else None)
+    except ValueError as e:
+        raise AdminFlagError(str(e)) from None
+    if norm != "dyt":
+        return
+    if scheme in DYT_REFUSED:
+        raise AdminFlagError(
+            f"--admin-norm dyt cannot be combined with --admin-residual {scheme}: "
+            f"{DYT_REFUSED[scheme]}; valid with dyt: --admin-residual admin (--admin-init none "
+            "or profile), peri-ln, mix-ln"
+        )
+    if args.admin_init == "closed-form":
+        raise AdminFlagError(
+            "--admin-norm dyt cannot be combined with --admin-init closed-form: Admin's closed "
+            "form assumes every sub-layer input is a LayerNorm output of unit variance, and "
+            "DyT (g * tanh(alpha x) + b) does not normalise; use --admin-init profile (omegas "
+            "from the variances measured with DyT) or --admin-init none (Post-LN or Pre-LN "
+            "with DyT)"
+        )
+
+
 def check_flags(args) -> None:
     """Resolve the position flags and check every plugin flag of ``args`` (architecture
     defaults already applied); the first problem raises :class:`AdminFlagError`."""
@@ -257,6 +383,7 @@ def check_flags(args) -> None:
     check_layer_counts(args)
     check_normalize_before(args)
     check_residual_scheme(args)
+    check_norm_flags(args)
     admin_profile.check_profile_flags(args)
     check_compile_flags(args)
 
@@ -277,8 +404,13 @@ def add_args(parser) -> None:
         "input added into each layer's last LN, LN(h + f(h) + x), Linear weights x "
         "N^-1/2 (Takase et al. 2023, B2T connection, Findings of ACL); resi-dual = "
         "Post-LN stream LN(x + f(x)) plus the dual sum d + f(x), stack output "
-        "x_N + LN(d_N) (Xie et al. 2023, ResiDual, arXiv 2304.14802). The rivals of "
-        "admin take no --admin-init/--admin-omega and no Pre-LN. Default: admin",
+        "x_N + LN(d_N) (Xie et al. 2023, ResiDual, arXiv 2304.14802); peri-ln = x + "
+        "dropout(LN(f(LN(x)))), a LayerNorm on each sub-layer's input and output and a "
+        "final one per stack (Kim et al. 2025, Peri-LN, arXiv 2502.02732); mix-ln = Post-LN "
+        "in the first floor(alpha L) layers of each stack, Pre-LN above (--mix-ln-alpha; Li "
+        "et al. 2025, Mix-LN, arXiv 2412.13795). The rivals of admin take no "
+        "--admin-init/--admin-omega and no Pre-LN (peri-ln and mix-ln set every layer's "
+        "placement themselves). Default: admin",
     )
     group.add_argument(
         "--admin-init",
@@ -304,6 +436,38 @@ def add_args(parser) -> None:
         choices=OMEGA_FORMS,
         help="buffer: omega is one fixed scalar per sub-layer; parameter: a trainable "
         "vector of size embed_dim per sub-layer (Transformer-Clinic). Default: buffer",
+    )
+    group.add_argument(
+        "--mix-ln-alpha",
+        type=float,
+        metavar="ALPHA",
+        help="--admin-residual mix-ln only: the fraction of each stack's layers that are "
+        "Post-LN, counted from the bottom: layer l < floor(alpha L) is Post-LN, the rest "
+        "Pre-LN, and the stack ends with a LayerNorm unless every layer is Post-LN (0 = "
+        "exactly Pre-LN, 1 = exactly Post-LN). A number in [0, 1]; refused with any other "
+        "scheme. Default: 0.25 (the paper's)",
+    )
+    group.add_argument(
+        "--admin-norm",
+        choices=NORM_CHOICES,
+        help="the normalisation module, wherever the placement puts one (every sub-layer, "
+        "Peri-LN's output ones, the stacks' final ones, --layernorm-embedding): layernorm = "
+        "fairseq's LayerNorm; dyt = DyT, g * tanh(alpha x) + b with one trainable alpha "
+        "per module (Zhu et al. 2025, Transformers without Normalization, arXiv "
+        "2503.10622). dyt works with Post-LN (--admin-init none), Pre-LN, peri-ln, mix-ln "
+        "and Admin with --admin-init profile (omegas from the variances measured with "
+        "DyT); refused with --admin-init closed-form (its omegas assume LayerNorm's "
+        "unit-variance outputs) and with deepnorm, rezero, rezero-post-ln, b2t and "
+        "resi-dual (their constants or stack outputs are derived for LayerNorm). Not "
+        "exportable to a stock transformer. Default: layernorm",
+    )
+    group.add_argument(
+        "--dyt-alpha-init",
+        type=float,
+        metavar="FLOAT",
+        help="--admin-norm dyt only: the initial alpha of every DyT, a positive finite "
+        "number; refused without --admin-norm dyt. Default: 0.5 (the paper's alpha_0 for "
+        "non-LLM models)",
     )
     for side in ("encoder", "decoder"):
         group.add_argument(
@@ -362,5 +526,6 @@ def admin_base_architecture(args):
     _default(args, "admin_init", "closed-form" if args.admin_residual == "admin" else "none")
     _default(args, "admin_output_change_scale", "O(logn)")
     _default(args, "admin_omega", "buffer")
+    _default(args, "admin_norm", "layernorm")
     _default(args, "admin_compile", "none")
     base_architecture(args)

@@ -20,7 +20,10 @@ without LayerNorm also builds the layers with ``sublayer_layer_norm=False``.
 
 Each sub-layer's branch ``dropout(f(x))`` is a method of its own (``_self_attn_branch``,
 ``_encoder_attn_branch``, ``_ffn_branch``), and each stack runs its layers in
-``forward_layers``. The two schemes that change how a layer combines the branches
+``forward_layers``. Peri-LN's LayerNorm on a branch output (``*_out_layer_norm``, None in
+every other placement; :mod:`fairseq_admin_pos.models.norm_layers` adds them) is applied at
+the end of its branch, before the branch's dropout. The two schemes that change how a
+layer combines the branches
 (:mod:`fairseq_admin_pos.models.b2t_resi_dual`) are two switches of the one layer forward
 here, off for every other scheme: ``bottom_to_top`` (B2T: the layer input added into the sum
 that the layer's last LayerNorm normalises) and the keyword ``dual`` (ResiDual: every branch
@@ -76,6 +79,7 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
 
     Post-LN: ``x = LN(res(x, dropout(f(x))))`` for f in (self-attention, FFN).
     Pre-LN:  ``x = res(x, dropout(f(LN(x))))`` (only with omega == 1, checked by the model).
+    Peri-LN: ``x = res(x, dropout(LN_out(f(LN(x)))))`` (``*_out_layer_norm`` set).
     ``sublayer_layer_norm=False`` (ReZero): ``x = res(x, dropout(f(x)))``, LNs are identities.
 
     Shapes: ``x`` is ``(T, B, C)``, ``encoder_padding_mask`` ``(B, T)`` with True at pads.
@@ -91,6 +95,9 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
         super().__init__(cfg, return_fc=return_fc)
         self.self_attn_residual = residual_factory(self.embed_dim)
         self.final_residual = residual_factory(self.embed_dim)
+        # Peri-LN's LayerNorms on the branch outputs (models/norm_layers.py)
+        self.self_attn_out_layer_norm: Optional[nn.Module] = None
+        self.ffn_out_layer_norm: Optional[nn.Module] = None
         if not sublayer_layer_norm:
             _drop_sublayer_layer_norms(self)
 
@@ -166,14 +173,18 @@ class AdminTransformerEncoderLayer(TransformerEncoderLayerBase):
             need_weights=False,
             attn_mask=attn_mask,
         )
+        if self.self_attn_out_layer_norm is not None:  # Peri-LN
+            x = self.self_attn_out_layer_norm(x)
         return self.dropout_module(x)
 
     def _ffn_branch(self, x):
         """``(dropout(FFN(x)), FFN(x))``: the branch and fairseq's ``fc_result`` (before
-        dropout), both ``(T, B, C)``."""
+        dropout and Peri-LN's output LayerNorm), both ``(T, B, C)``."""
         x = self.activation_fn(self.fc1(x))
         x = self.activation_dropout_module(x)
         x = self.fc2(x)
+        if self.ffn_out_layer_norm is not None:  # Peri-LN
+            return self.dropout_module(self.ffn_out_layer_norm(x)), x
         return self.dropout_module(x), x
 
 
@@ -181,8 +192,8 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
     """fairseq decoder layer with a residual module per sub-layer.
 
     Post-LN: ``x = LN(res(x, dropout(f(x))))`` for f in (masked self-attention,
-    encoder-attention, FFN); ``sublayer_layer_norm=False`` (ReZero) makes the LNs
-    identities. Incremental decoding works as in fairseq: the residual modules
+    encoder-attention, FFN); Pre-LN and Peri-LN as in the encoder layer;
+    ``sublayer_layer_norm=False`` (ReZero) makes the LNs identities. Incremental decoding works as in fairseq: the residual modules
     are position-wise, so a single step sees exactly what a full forward sees at that step.
 
     Shapes: ``x`` is ``(T_tgt, B, C)``, ``encoder_out`` ``(T_src, B, C_enc)``.
@@ -211,6 +222,10 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
             residual_factory(self.embed_dim) if self.encoder_attn is not None else None
         )
         self.final_residual = residual_factory(self.embed_dim)
+        # Peri-LN's LayerNorms on the branch outputs (models/norm_layers.py)
+        self.self_attn_out_layer_norm: Optional[nn.Module] = None
+        self.encoder_attn_out_layer_norm: Optional[nn.Module] = None
+        self.ffn_out_layer_norm: Optional[nn.Module] = None
         if not sublayer_layer_norm:
             _drop_sublayer_layer_norms(self)
 
@@ -344,6 +359,8 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
             x = x.reshape(tgt_len, bsz, self.embed_dim)
         if self.attn_ln is not None:
             x = self.attn_ln(x)
+        if self.self_attn_out_layer_norm is not None:  # Peri-LN
+            x = self.self_attn_out_layer_norm(x)
         return self.dropout_module(x), attn
 
     def _encoder_attn_branch(
@@ -369,6 +386,8 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
             need_weights=need_attn or (not self.training and self.need_attn),
             need_head_weights=need_head_weights,
         )
+        if self.encoder_attn_out_layer_norm is not None:  # Peri-LN
+            x = self.encoder_attn_out_layer_norm(x)
         return self.dropout_module(x), attn
 
     def _ffn_branch(self, x) -> Tensor:
@@ -378,6 +397,8 @@ class AdminTransformerDecoderLayer(TransformerDecoderLayerBase):
         if self.ffn_layernorm is not None:
             x = self.ffn_layernorm(x)
         x = self.fc2(x)
+        if self.ffn_out_layer_norm is not None:  # Peri-LN
+            x = self.ffn_out_layer_norm(x)
         return self.dropout_module(x)
 
     def _layer_output(self, x, attn, incremental_state, self_attn_padding_mask):
