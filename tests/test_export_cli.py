@@ -341,20 +341,34 @@ def run_cli(capsys, *args):
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize("scheme,why", [
-    ("rezero", "ReZero (x + a * f(x)) has no sub-layer LayerNorm"),
-    ("b2t", "B2T adds each layer's input into the layer's last LayerNorm"),
-    ("resi-dual", "ResiDual carries a second (dual) residual stream"),
+DYT = ["--admin-norm", "dyt"]
+
+
+@pytest.mark.parametrize("flags,refused,why", [
+    (["--admin-residual", "rezero"], "--admin-residual rezero",
+     "ReZero (x + a * f(x)) has no sub-layer LayerNorm"),
+    (["--admin-residual", "b2t"], "--admin-residual b2t",
+     "B2T adds each layer's input into the layer's last LayerNorm"),
+    (["--admin-residual", "resi-dual"], "--admin-residual resi-dual",
+     "ResiDual carries a second (dual) residual stream"),
+    (["--admin-residual", "peri-ln"], "--admin-residual peri-ln",
+     "Peri-LN normalises each sub-layer's output too"),
+    (["--admin-residual", "mix-ln", "--encoder-layers", "4"], "--admin-residual mix-ln",
+     "Mix-LN mixes Post-LN and Pre-LN layers within a stack"),
+    (["--admin-init", "none", *DYT], "--admin-norm dyt", "DyT (g * tanh(alpha x) + b) is no "
+     "LayerNorm"),
+    (["--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before", *DYT],
+     "--admin-norm dyt", "fairseq's transformer (and CTranslate2) normalises with LayerNorm"),
 ])
-def test_refused_schemes_exit_nonzero_and_write_nothing(tiny_data, tmp_path, capsys, scheme,
-                                                        why):
-    ckpt = trainer_checkpoint(tiny_data, tmp_path / "ck.pt", ["--admin-residual", scheme])
+def test_refused_schemes_exit_nonzero_and_write_nothing(tiny_data, tmp_path, capsys, flags,
+                                                        refused, why):
+    ckpt = trainer_checkpoint(tiny_data, tmp_path / "ck.pt", flags)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code, out, err = run_cli(capsys, ckpt, "--out", out_dir / "stock.pt",
                              "--ctranslate2", out_dir / "ct2")
     assert code == 1 and out == ""
-    assert err.startswith(f"fairseq-admin-export: error: --admin-residual {scheme} cannot be "
+    assert err.startswith(f"fairseq-admin-export: error: {refused} cannot be "
                           "exported to a stock fairseq transformer: ") and why in err
     assert len(err.strip().splitlines()) == 1
     assert list(out_dir.iterdir()) == []

@@ -166,15 +166,22 @@ def test_sinusoid_table_is_fairseqs(tiny_data):
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("scheme,reason", [
-    ("rezero", "no sub-layer LayerNorm"),
-    ("b2t", "skips a sub-layer"),
-    ("resi-dual", "second (dual) residual stream"),
+@pytest.mark.parametrize("flags,refused,reason", [
+    (["--admin-residual", "rezero"], "--admin-residual rezero", "no sub-layer LayerNorm"),
+    (["--admin-residual", "b2t"], "--admin-residual b2t", "skips a sub-layer"),
+    (["--admin-residual", "resi-dual"], "--admin-residual resi-dual",
+     "second (dual) residual stream"),
+    (["--admin-residual", "peri-ln"], "--admin-residual peri-ln", "each sub-layer's output"),
+    (["--admin-residual", "mix-ln"], "--admin-residual mix-ln",
+     "mixes Post-LN and Pre-LN layers within a stack"),
+    # the scheme's reason first when both are refused
+    (["--admin-residual", "mix-ln", "--admin-norm", "dyt"], "--admin-residual mix-ln",
+     "one placement (--encoder/--decoder-normalize-before) per stack"),
+    (["--admin-init", "none", "--admin-norm", "dyt"], "--admin-norm dyt", "is no LayerNorm"),
 ])
-def test_refused_schemes(tiny_data, scheme, reason):
-    model, task, args = build(tiny_data, "admin_transformer",
-                              SMALL + ["--admin-residual", scheme])
-    with pytest.raises(NotExportable, match=f"--admin-residual {scheme} cannot be exported.*"
+def test_refused_schemes(tiny_data, flags, refused, reason):
+    model, task, args = build(tiny_data, "admin_transformer", SMALL + flags)
+    with pytest.raises(NotExportable, match=re.escape(refused) + " cannot be exported.*"
                                             + re.escape(reason)):
         fold_state_dict(model.state_dict(), model_layout(model, args))
 

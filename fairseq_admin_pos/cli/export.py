@@ -11,8 +11,9 @@ original's, and the largest difference is printed. The folding and its exactness
 explained in :mod:`fairseq_admin_pos.export.fold`; the file format in
 :mod:`fairseq_admin_pos.export.checkpoint`.
 
-Residual schemes without a stock equivalent (``rezero``, ``b2t``, ``resi-dual``) are
-refused with one line saying why; nothing is written then, nor on any other error.
+Residual schemes without a stock equivalent (``rezero``, ``b2t``, ``resi-dual``,
+``peri-ln``, ``mix-ln``) and DyT models (``--admin-norm dyt``) are refused with one line
+saying why; nothing is written then, nor on any other error.
 """
 from __future__ import annotations
 

@@ -160,6 +160,8 @@ def model_layout(model, model_args) -> ModelLayout:
         share_all_embeddings=bool(getattr(model_args, "share_all_embeddings", False)),
         share_decoder_input_output_embed=bool(
             getattr(model_args, "share_decoder_input_output_embed", False)),
+        # checkpoints from before --admin-norm are LayerNorm models
+        norm=settings.get("admin_norm") or "layernorm",
     )
 
 

@@ -79,8 +79,10 @@ fairseq's layer computes ``LN(x + f(x))``.
    layers already (only the names change).
 
 Refused (:data:`REFUSED`): ``rezero`` (no sub-layer LayerNorm), ``b2t`` (a connection that
-skips a sub-layer), ``resi-dual`` (a second residual stream); and a Pre-LN stack whose omega
-is not 1 (its shortcut is not normalised, so neither fold applies).
+skips a sub-layer), ``resi-dual`` (a second residual stream), ``peri-ln`` (a LayerNorm on
+each branch output), ``mix-ln`` (two placements in one stack); any ``--admin-norm dyt`` model
+(:data:`REFUSED_NORMS`: DyT is no LayerNorm); and a Pre-LN stack whose omega is not 1 (its
+shortcut is not normalised, so neither fold applies).
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ from fairseq_admin_pos.positional import SinusoidalEmbeddings
 
 __all__ = [
     "REFUSED",
+    "REFUSED_NORMS",
     "NotExportable",
     "StackLayout",
     "ModelLayout",
@@ -116,6 +119,16 @@ REFUSED = {
            "a connection that skips a sub-layer, which fairseq's transformer layers do not have",
     "resi-dual": "ResiDual carries a second (dual) residual stream d + f(x) and ends each stack "
                  "with x_N + LN(d_N), which fairseq's transformer does not have",
+    "peri-ln": "Peri-LN normalises each sub-layer's output too (x + LN(f(LN(x)))), a LayerNorm "
+               "fairseq's transformer layers do not have",
+    "mix-ln": "Mix-LN mixes Post-LN and Pre-LN layers within a stack, and fairseq's "
+              "transformer has one placement (--encoder/--decoder-normalize-before) per stack",
+}
+
+#: normalisation modules (``--admin-norm``) with no stock equivalent -> why
+REFUSED_NORMS = {
+    "dyt": "DyT (g * tanh(alpha x) + b) is no LayerNorm, and fairseq's transformer (and "
+           "CTranslate2) normalises with LayerNorm only",
 }
 
 #: the plugin's residual schemes that fold into fairseq's layers
@@ -148,13 +161,15 @@ class StackLayout:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """The whole model: the residual scheme (``--admin-residual``) and the two stacks."""
+    """The whole model: the residual scheme (``--admin-residual``), the normalisation module
+    (``--admin-norm``) and the two stacks."""
 
     scheme: str
     encoder: StackLayout
     decoder: StackLayout
     share_all_embeddings: bool = False
     share_decoder_input_output_embed: bool = False
+    norm: str = "layernorm"
 
     def stacks(self) -> Tuple[StackLayout, StackLayout]:
         return (self.encoder, self.decoder)
@@ -248,6 +263,13 @@ def _check_scheme(layout: ModelLayout) -> None:
     if layout.scheme not in EXPORTABLE:
         raise NotExportable(f"unknown --admin-residual {layout.scheme!r}; exportable: "
                             f"{', '.join(EXPORTABLE)}")
+    if layout.norm in REFUSED_NORMS:
+        raise NotExportable(
+            f"--admin-norm {layout.norm} cannot be exported to a stock fairseq transformer: "
+            f"{REFUSED_NORMS[layout.norm]}"
+        )
+    if layout.norm != "layernorm":
+        raise NotExportable(f"unknown --admin-norm {layout.norm!r}; exportable: layernorm")
 
 
 def _scale_out(sd, key: str, scale: float) -> None:
@@ -298,7 +320,7 @@ def fold_state_dict(state_dict: Dict[str, Tensor], layout: ModelLayout,
     rounding, or up to the LayerNorm eps term of section 2, listed in ``eps_scales``).
 
     Raises :class:`NotExportable` (a message naming the scheme and why) for
-    :data:`REFUSED` schemes, a Pre-LN stack with omega != 1, and a scalar shortcut weight
+    :data:`REFUSED` schemes, :data:`REFUSED_NORMS` normalisations, a Pre-LN stack with omega != 1, and a scalar shortcut weight
     that is not positive. ``state_dict`` is not modified. ``none_as_zero_table``: a side
     without positions gets an all-zero learned table even when the other side has none
     too (CTranslate2's converter refuses ``--no-token-positional-embeddings``).

@@ -331,7 +331,8 @@ DYT_REFUSED = {
 def check_norm_flags(args) -> None:
     """``--admin-norm``, ``--dyt-alpha-init`` and ``--mix-ln-alpha``: each refused where it
     would be silently ignored (given without DyT / without Mix-LN) or where the scheme
-    assumes LayerNorm (Admin's closed form, and the rivals in :data:`DYT_REFUSED`); the two
+    assumes LayerNorm (Admin's omegas, closed form or profiled, and the rivals in
+    :data:`DYT_REFUSED`); the two
     values validated and defaulted (DyT's 0.5, Mix-LN's 0.25) where they apply, None
     elsewhere."""
     scheme, norm = args.admin_residual, args.admin_norm
@@ -362,16 +363,17 @@ def check_norm_flags(args) -> None:
     if scheme in DYT_REFUSED:
         raise AdminFlagError(
             f"--admin-norm dyt cannot be combined with --admin-residual {scheme}: "
-            f"{DYT_REFUSED[scheme]}; valid with dyt: --admin-residual admin (--admin-init none "
-            "or profile), peri-ln, mix-ln"
+            f"{DYT_REFUSED[scheme]}; valid with dyt: --admin-residual admin --admin-init none "
+            "(Post-LN, Pre-LN), peri-ln, mix-ln"
         )
-    if args.admin_init == "closed-form":
+    if args.admin_init != "none":
         raise AdminFlagError(
-            "--admin-norm dyt cannot be combined with --admin-init closed-form: Admin's closed "
-            "form assumes every sub-layer input is a LayerNorm output of unit variance, and "
-            "DyT (g * tanh(alpha x) + b) does not normalise; use --admin-init profile (omegas "
-            "from the variances measured with DyT) or --admin-init none (Post-LN or Pre-LN "
-            "with DyT)"
+            f"--admin-norm dyt cannot be combined with --admin-init {args.admin_init}: Admin's "
+            "omegas give back the magnitude a LayerNorm divides out of each sum (the closed "
+            "form assumes unit-variance LayerNorm outputs; the profile sets omega to the std "
+            "of the sum, LayerNorm's divisor), and DyT (g * tanh(alpha x) + b) divides by no "
+            "std (profiled with DyT the omegas fall below 1 and shrink the shortcut, the "
+            "opposite of Admin); use --admin-init none (Post-LN or Pre-LN with DyT)"
         )
 
 
@@ -454,12 +456,11 @@ def add_args(parser) -> None:
         "Peri-LN's output ones, the stacks' final ones, --layernorm-embedding): layernorm = "
         "fairseq's LayerNorm; dyt = DyT, g * tanh(alpha x) + b with one trainable alpha "
         "per module (Zhu et al. 2025, Transformers without Normalization, arXiv "
-        "2503.10622). dyt works with Post-LN (--admin-init none), Pre-LN, peri-ln, mix-ln "
-        "and Admin with --admin-init profile (omegas from the variances measured with "
-        "DyT); refused with --admin-init closed-form (its omegas assume LayerNorm's "
-        "unit-variance outputs) and with deepnorm, rezero, rezero-post-ln, b2t and "
-        "resi-dual (their constants or stack outputs are derived for LayerNorm). Not "
-        "exportable to a stock transformer. Default: layernorm",
+        "2503.10622). dyt works with Post-LN and Pre-LN (--admin-init none), peri-ln and "
+        "mix-ln; refused with Admin's omegas (--admin-init closed-form or profile: they "
+        "give back what a LayerNorm divides out, which DyT does not) and with deepnorm, "
+        "rezero, rezero-post-ln, b2t and resi-dual (their constants or stack outputs are "
+        "derived for LayerNorm). Not exportable to a stock transformer. Default: layernorm",
     )
     group.add_argument(
         "--dyt-alpha-init",
