@@ -689,12 +689,13 @@ def test_train_launchers(tmp_path):
 @pytest.mark.parametrize(
     "args,env,message",
     [(["rezero"], {}, "SCHEME 'rezero' is not valid; valid choices: post-ln pre-ln admin "
-      "admin-closed-form"),
+      "admin-closed-form kasai"),
      (["admin"], {"ADMIN_INIT": "closed-form"}, "ADMIN_INIT is no longer read: SCHEME sets"),
      (["admin"], {"OPTIMIZER": "adam"}, "OPTIMIZER is no longer read: SCHEME sets"),
      (["admin"], {"EXTRA_ARGS": "--adam-betas '(0.9, 0.98)"},
       "EXTRA_ARGS cannot be split into arguments (No closing quotation)"),
-     (["admin", "24l_24l"], {}, "valid choices: 6l_6l 12l_12l 18l_18l 60l_12l 100l_100l"),
+     (["admin", "24l_24l"], {}, "DEPTH '24l_24l' is not a wmt14_en_de preset; valid choices: "
+      "6l_6l 12l_12l 18l_18l 60l_12l 100l_100l 6l_1l 12l_1l 12l_2l 18l_1l 18l_2l 24l_1l"),
      (["admin"], {"PRECISION": "fp8"}, "PRECISION 'fp8' is not valid; valid choices: fp16 bf16 fp32"),
      (["admin"], {"DEVICE": "tpu"}, "DEVICE 'tpu' is not valid"),
      (["admin"], {"DEVICE": "cpu", "PRECISION": "fp16"}, "PRECISION=fp16 needs DEVICE=gpu"),
@@ -705,6 +706,179 @@ def test_train_rejects_bad_settings(args, env, message, tmp_path):
     result = dry_run("wmt14_en_de", args, tmp_path, **{"NUM_GPUS": 4, **env})
     assert result.returncode == 2 and message in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------------------
+# deep encoder, shallow decoder (issue 41): the shapes, and Kasai et al.'s published training
+# --------------------------------------------------------------------------------------
+
+# Kasai, Pappas, Peng, Cross & Smith, ICLR 2021: jungokasai/deep-shallow's README command
+# (the 12-1 WMT16 En-De model), restated here independently of the recipe
+KASAI = {"lr": "5e-4", "warmup": "4000", "warmup_init": "1e-07", "dropout": "0.2",
+         "gpus": 16, "max_tokens": 4096, "updates": "300000", "seed": "1", "positions": "10000"}
+# their fairseq's default clipping (they pass no --clip-norm), Adam with their betas
+KASAI_ADAM = ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "25.0"]
+SHALLOW_SHAPES = {"6l_1l": (6, 1), "12l_1l": (12, 1), "12l_2l": (12, 2), "18l_1l": (18, 1),
+                  "18l_2l": (18, 2), "24l_1l": (24, 1)}
+
+
+def command_words(stdout):
+    """The printed fairseq-train command as argv words (its shell quoting undone)."""
+    import shlex
+
+    return shlex.split(command_args(stdout)[2:])
+
+
+def flag_value(words, flag):
+    assert words.count(flag) == 1, (flag, words)
+    return words[words.index(flag) + 1]
+
+
+def arch_depths(words):
+    m = re.fullmatch(r"admin_transformer_wmt_en_de_(\d+)l_(\d+)l", flag_value(words, "--arch"))
+    assert m, flag_value(words, "--arch")
+    return int(m.group(1)), int(m.group(2))
+
+
+@pytest.mark.parametrize("task,depth,gpus,update_freq", [
+    ("wmt14_en_de", "12l_1l", 16, 1), ("wmt14_en_de", "6l_1l", 8, 2),
+    ("wmt14_en_de", "24l_1l", 4, 4), ("wmt14_en_de", "18l_2l", 1, 16),
+    ("wmt14_en_fr", "12l_1l", 16, 1), ("wmt14_en_fr", "24l_1l", 2, 8),
+])
+def test_train_kasai_prints_kasais_published_settings(task, depth, gpus, update_freq, tmp_path):
+    """`train.sh kasai DEPTH` is Kasai et al.'s command in this package's flags: stock Post-LN,
+    Adam, their schedule, dropout, length, fp16 and positions; the effective batch stays
+    16 GPUs x 4096 tokens on other GPU counts through --update-freq."""
+    result = dry_run(task, ["kasai", depth], tmp_path, NUM_GPUS=gpus)
+    assert result.returncode == 0, result.stderr
+    words = command_words(result.stdout)
+    assert arch_depths(words) == SHALLOW_SHAPES[depth]
+    assert words[words.index("--admin-init"):words.index("--admin-init") + 2] == ["--admin-init",
+                                                                                  "none"]
+    i = words.index("--optimizer")
+    assert words[i:i + len(KASAI_ADAM)] == KASAI_ADAM
+    for flag, want in (("--lr", KASAI["lr"]), ("--warmup-updates", KASAI["warmup"]),
+                       ("--warmup-init-lr", KASAI["warmup_init"]),
+                       ("--lr-scheduler", "inverse_sqrt"), ("--dropout", KASAI["dropout"]),
+                       ("--attention-dropout", "0.0"), ("--activation-dropout", "0.0"),
+                       ("--weight-decay", "0.0"), ("--label-smoothing", "0.1"),
+                       ("--max-update", KASAI["updates"]), ("--stop-min-lr", "1e-09"),
+                       ("--seed", KASAI["seed"]),
+                       ("--max-source-positions", KASAI["positions"]),
+                       ("--max-target-positions", KASAI["positions"]),
+                       ("--max-tokens", str(KASAI["max_tokens"])),
+                       ("--update-freq", str(update_freq)),
+                       ("--distributed-world-size", str(gpus))):
+        assert flag_value(words, flag) == want, flag
+    # the effective batch: GPUs x max-tokens x update-freq = Kasai's 16 x 4096
+    assert gpus * int(flag_value(words, "--max-tokens")) * int(flag_value(words, "--update-freq")) \
+        == KASAI["gpus"] * KASAI["max_tokens"]
+    assert f"= {KASAI['gpus'] * KASAI['max_tokens']} tokens/update" in result.stdout
+    # fp16 with fairseq's default loss scaling; trained by updates, not epochs; stock residual
+    assert "--fp16" in words and "--fp16-scale-window" not in words
+    assert "--threshold-loss-scale" not in words
+    for absent in ("--max-epoch", "--admin-omega", "--admin-profile-mode",
+                   "--encoder-normalize-before", "--radam-early-steps"):
+        assert absent not in words, absent
+    assert "--share-all-embeddings" in words
+    assert flag_value(words, "--save-dir") == f"{tmp_path}/runs/{task}/kasai_{depth}_1"
+
+
+@pytest.mark.parametrize("task,depth,gpus,max_tokens,update_freq,effective,lr", [
+    # the Transformer-Clinic report's setting: 8 GPUs x 4096 tokens = the recipe's 32768
+    ("wmt14_en_de", "12l_1l", 8, "4096", 1, 32768, "1e-3"),
+    ("wmt14_en_de", "18l_2l", 4, "", 1, 32768, "1e-3"),
+    ("wmt14_en_de", "24l_1l", 1, "", 4, 32768, "1e-3"),
+    # En-Fr: the Admin paper's 6l_6l batch
+    ("wmt14_en_fr", "12l_1l", 8, "", 10, 640000, "7e-4"),
+])
+def test_train_shallow_shapes_take_the_admin_papers_recipe(task, depth, gpus, max_tokens,
+                                                           update_freq, effective, lr, tmp_path):
+    extra = {"MAX_TOKENS": max_tokens} if max_tokens else {}
+    result = dry_run(task, ["admin", depth], tmp_path, NUM_GPUS=gpus, **extra)
+    assert result.returncode == 0, result.stderr
+    words = command_words(result.stdout)
+    cmd = command_args(result.stdout)
+    assert arch_depths(words) == SHALLOW_SHAPES[depth]
+    assert " --admin-init profile --admin-profile-mode clinic --admin-omega parameter " \
+        + CLINIC_RADAM + " " in cmd
+    assert flag_value(words, "--lr") == lr and flag_value(words, "--warmup-updates") == "8000"
+    assert flag_value(words, "--dropout") == "0.1" and flag_value(words, "--seed") == "1111"
+    assert flag_value(words, "--update-freq") == str(update_freq)
+    assert gpus * int(flag_value(words, "--max-tokens")) * update_freq == effective
+    assert "--fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125" in cmd
+    assert "--max-source-positions" not in words
+
+
+def test_train_kasai_seed_and_other_schemes_unchanged(tmp_path):
+    """An explicit SEED wins over Kasai's 1; the other schemes keep Clinic's 1111 and recipe
+    at a shallow shape."""
+    words = command_words(dry_run("wmt14_en_de", ["kasai", "12l_1l", "7"], tmp_path,
+                                  NUM_GPUS=16).stdout)
+    assert flag_value(words, "--seed") == "7"
+    assert flag_value(words, "--save-dir").endswith("/kasai_12l_1l_7")
+    # kasai at a deep-deep shape is Kasai's recipe too (their 6-6 baselines)
+    words = command_words(dry_run("wmt14_en_de", ["kasai", "100l_100l"], tmp_path,
+                                  NUM_GPUS=16).stdout)
+    assert flag_value(words, "--max-tokens") == "4096" and "--max-epoch" not in words
+    words = command_words(dry_run("wmt14_en_de", ["post-ln", "12l_1l"], tmp_path,
+                                  NUM_GPUS=4).stdout)
+    assert flag_value(words, "--seed") == "1111" and flag_value(words, "--lr") == "1e-3"
+
+
+@pytest.mark.parametrize("task,args,message", [
+    ("wmt14_en_de", ["kasai", "48l_1l"],
+     "DEPTH '48l_1l' is not a wmt14_en_de preset; valid choices: 6l_6l 12l_12l 18l_18l "
+     "60l_12l 100l_100l 6l_1l 12l_1l 12l_2l 18l_1l 18l_2l 24l_1l"),
+    ("wmt14_en_fr", ["admin", "12l_12l"],
+     "DEPTH '12l_12l' is not a wmt14_en_fr preset; valid choices: 6l_6l 60l_12l 6l_1l 12l_1l "
+     "12l_2l 18l_1l 18l_2l 24l_1l"),
+    ("iwslt14_de_en", ["kasai"],
+     "SCHEME 'kasai' is not valid; valid choices: post-ln pre-ln admin admin-closed-form"),
+    ("wmt14_en_de", ["kasai", "12l_1l"],  # 65536 tokens are not reachable on 3 GPUs
+     "not divisible by 3 GPUs"),
+])
+def test_train_shallow_and_kasai_refusals(task, args, message, tmp_path):
+    result = dry_run(task, args, tmp_path, NUM_GPUS=3 if "3 GPUs" in message else 4)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"error: {message}" or message in result.stderr
+    if "DEPTH" in message or "SCHEME" in message:
+        assert lines == [f"error: {message}"]  # one line
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs").exists()
+    assert "+ " not in result.stdout  # no command printed
+
+
+def test_eval_of_a_kasai_run_has_no_epoch_bound(tmp_path):
+    """eval.sh reads the scheme from the run's recipe.json: a kasai run (trained by updates,
+    past the tasks' epoch bounds) is averaged without --checkpoint-upper-bound and decoded
+    with beam 5, lenpen 1; another run keeps Clinic's bound. (No checkpoints here: the
+    averaging step is the last to run, and fails.)"""
+    data = tmp_path / "data"
+    (data / "ref").mkdir(parents=True)
+    for name in ("test.tok.fr", "test.raw.fr"):
+        (data / "ref" / name).write_text("x\n")
+    out = {}
+    for scheme in ("kasai", "admin"):
+        run_dir = tmp_path / "runs" / f"{scheme}_12l_1l"
+        run_dir.mkdir(parents=True)
+        (run_dir / "recipe.json").write_text(json.dumps({"scheme": scheme, "task": "wmt14_en_fr"},
+                                                        indent=2, sort_keys=True) + "\n")
+        env = script_env(DEVICE="cpu", DATA_DIR=data)
+        out[scheme] = run_script([os.path.join(REPO, "examples/wmt14_en_fr/eval.sh"), run_dir],
+                                 env, tmp_path, check=False)
+        assert out[scheme].returncode != 0  # nothing to average
+    kasai, admin = (command_lines(out[s].stdout) for s in ("kasai", "admin"))
+    assert out["kasai"].stdout.startswith("scoring as a train.sh kasai run: last 10 epoch "
+                                          "checkpoints averaged (no epoch bound), beam 5, lenpen 1")
+    assert "--num-epoch-checkpoints 10 --output" in kasai[0] and "--checkpoint-upper-bound" not in kasai[0]
+    assert kasai[0].endswith("/kasai_12l_1l/averaged_last10.pt")
+    assert "--num-epoch-checkpoints 10 --checkpoint-upper-bound 50 --output" in admin[0]
+    assert "scoring as Transformer-Clinic" in out["admin"].stdout
+
+
+def command_lines(stdout):
+    return [l for l in stdout.splitlines() if l.startswith("+ ")]
 
 
 # ======================================================================================

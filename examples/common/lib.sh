@@ -197,17 +197,41 @@ _wmt_apply_and_clean() {
 # The task's train.sh sets: TASK SRC TGT ARCH EFFECTIVE_BATCH_DEFAULT MAX_TOKENS_DEFAULT LR
 # WARMUP DROPOUT ATTENTION_DROPOUT ACTIVATION_DROPOUT WEIGHT_DECAY LENGTH (array, e.g.
 # (--max-epoch 100)), STOP_FLAGS (array, may be empty), KEEP_LAST_DEFAULT and SCHEME DEPTH
-# SEED, then calls recipe_train.
+# SEED, optionally TASK_SCHEMES (default $SCHEMES), FP16_FLAGS (array; default Clinic's loss
+# scaling) and RECIPE_FLAGS (array of further fairseq-train flags), then calls recipe_train.
 #
 # Schemes. The baselines and the paper's Admin train as Transformer-Clinic did (RAdam with
 # its first-steps behaviour, see fairseq_admin_pos/optim/radam.py), so they differ in the
 # residual alone; admin-closed-form is admin-torch's Admin, trained as admin-torch did (Adam).
+# The WMT14 tasks add kasai (TASK_SCHEMES): Kasai et al.'s published training of their deep
+# encoder, shallow decoder models, which replaces the task's settings (kasai_recipe).
 SCHEMES="post-ln pre-ln admin admin-closed-form"
 CLINIC_OPTIMIZER=(--optimizer radam --radam-early-steps skip --adam-betas "(0.9, 0.98)" --clip-norm 0.0)
 ADMIN_TORCH_OPTIMIZER=(--optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0)
+# Kasai et al.'s command sets no --clip-norm: the default of the fairseq their code is built
+# on (jungokasai/deep-shallow, fairseq/options.py) is 25, that of fairseq 0.12 is 0
+KASAI_OPTIMIZER=(--optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 25.0)
+
+# kasai_recipe: Kasai, Pappas, Peng, Cross & Smith, "Deep Encoder, Shallow Decoder", ICLR 2021
+# (arXiv 2006.10369), the training command of jungokasai/deep-shallow's README (its WMT16
+# En-De 12-1 model, 26.9 BLEU; 28.3 with distillation): stock fairseq transformer (Post-LN),
+# Adam, lr 5e-4, inverse_sqrt with 4000 warmup updates from 1e-7, --min-lr 1e-9, dropout 0.2
+# (attention / activation dropout 0, fairseq's transformer defaults), no weight decay, label
+# smoothing 0.1, shared embeddings, 16 GPUs x 4096 tokens (= 65536 tokens per update),
+# --max-update 300000, --fp16 with fairseq's default loss scaling, max positions 10000,
+# seed 1. Replaces the task's settings; the task's train.sh calls it for SCHEME=kasai.
+kasai_recipe() {
+  LR=5e-4; WARMUP=4000; DROPOUT=0.2; ATTENTION_DROPOUT=0.0; ACTIVATION_DROPOUT=0.0
+  WEIGHT_DECAY=0.0; EFFECTIVE_BATCH_DEFAULT=65536; MAX_TOKENS_DEFAULT=4096
+  LENGTH=(--max-update 300000); STOP_FLAGS=(--stop-min-lr 1e-09)
+  FP16_FLAGS=(--fp16)
+  RECIPE_FLAGS=(--max-source-positions 10000 --max-target-positions 10000)
+}
 
 # scheme_flags SCHEME: sets SCHEME_FLAGS (residual) and OPTIMIZER_FLAGS
 scheme_flags() {
+  local valid="${TASK_SCHEMES:-$SCHEMES}"
+  [[ " $valid " == *" $1 "* ]] || die "SCHEME '$1' is not valid; valid choices: $valid"
   case "$1" in
     post-ln) SCHEME_FLAGS=(--admin-init none); OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
     pre-ln) SCHEME_FLAGS=(--admin-init none --encoder-normalize-before --decoder-normalize-before)
@@ -220,7 +244,9 @@ scheme_flags() {
     # admin-torch: omega = sqrt((N+1)/ln(N+1) - 1) per stack, a trainable vector
     admin-closed-form) SCHEME_FLAGS=(--admin-init closed-form --admin-omega parameter)
                        OPTIMIZER_FLAGS=("${ADMIN_TORCH_OPTIMIZER[@]}") ;;
-    *) die "SCHEME '$1' is not valid; valid choices: $SCHEMES" ;;
+    # Kasai et al.: fairseq's stock transformer, i.e. Post-LN with omega = 1 (kasai_recipe)
+    kasai) SCHEME_FLAGS=(--admin-init none); OPTIMIZER_FLAGS=("${KASAI_OPTIMIZER[@]}") ;;
+    *) die "SCHEME '$1' is not valid; valid choices: $valid" ;;
   esac
 }
 
@@ -244,6 +270,7 @@ recipe_train() {
   scheme_flags "$SCHEME"
   local label="$SCHEME"
   declare -p STOP_FLAGS >/dev/null 2>&1 || STOP_FLAGS=()
+  declare -p RECIPE_FLAGS >/dev/null 2>&1 || RECIPE_FLAGS=()
   [[ "$SEED" =~ ^[0-9]+$ ]] || die "SEED '$SEED' must be a non-negative integer"
 
   DEVICE="${DEVICE:-gpu}"
@@ -275,7 +302,8 @@ recipe_train() {
 
   local precision_flags=() trainer=("$FSBIN/fairseq-train")
   case "$PRECISION" in
-    fp16) precision_flags=(--fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125) ;;
+    fp16) if declare -p FP16_FLAGS >/dev/null 2>&1; then precision_flags=("${FP16_FLAGS[@]}")
+          else precision_flags=(--fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125); fi ;;
     bf16) precision_flags=(--bf16)
           # fairseq-train's --bf16 implies --tpu; this entry point keeps it on CUDA
           trainer=("$PY" "$ROOT/examples/common/fairseq_train_bf16.py") ;;
@@ -344,7 +372,7 @@ recipe_train() {
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-init-lr 1e-07 --warmup-updates "$WARMUP"
     --dropout "$DROPOUT" --attention-dropout "$ATTENTION_DROPOUT"
     --activation-dropout "$ACTIVATION_DROPOUT" --weight-decay "$WEIGHT_DECAY"
-    --criterion label_smoothed_cross_entropy --label-smoothing 0.1
+    --criterion label_smoothed_cross_entropy --label-smoothing 0.1 "${RECIPE_FLAGS[@]}"
     --max-tokens "$max_tokens" --update-freq "$update_freq" "${LENGTH[@]}" "${STOP_FLAGS[@]}"
     --seed "$SEED" --save-dir "$RUN_DIR" --keep-last-epochs "$keep"
     --log-format simple --log-interval "${LOG_INTERVAL:-100}"
@@ -398,6 +426,13 @@ recipe_train() {
 # RUN_DIR, then calls recipe_eval.
 recipe_eval() {
   [[ -d "$RUN_DIR" ]] || die "run folder $RUN_DIR does not exist"
+  # a run of `train.sh kasai`: trained by updates (300k, past the tasks' epoch bounds), decoded
+  # by Kasai et al. with beam 5, lenpen 1; they averaged the 5 epoch checkpoints of best dev
+  # BLEU, which this script does not select (it averages the last AVG_LAST)
+  if [[ -f "$RUN_DIR/recipe.json" ]] && grep -q '"scheme": "kasai"' "$RUN_DIR/recipe.json"; then
+    UPPER_BOUND_DEFAULT=none; BEAM_DEFAULT=5; LENPEN_DEFAULT=1.0
+    SCORING="a train.sh kasai run: last 10 epoch checkpoints averaged (no epoch bound), beam 5, lenpen 1, tokenized BLEU (Kasai et al. averaged the 5 epoch checkpoints of best dev BLEU)"
+  fi
   DATA_DIR="$(realpath -m "${DATA_DIR:-$PWD/data/$TASK}")"
   DATA_BIN="$(realpath -m "${DATA_BIN:-$DATA_DIR/data-bin}")"
   local ref_dir="$DATA_DIR/ref"
