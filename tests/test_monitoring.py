@@ -315,9 +315,45 @@ def test_resi_dual_dual_norms_match_a_hand_computation(tiny_data):
         monitoring.log_dual_norms(model)
 
 
-@pytest.mark.parametrize("scheme", ["admin", "b2t"])
+@pytest.mark.parametrize("scheme", ["admin", "b2t", "peri-ln", "mix-ln"])
 def test_dual_norms_are_logged_for_resi_dual_only(tiny_data, scheme):
     agg = _one_update(_trainer(tiny_data, "admin_transformer", ["--admin-residual", scheme]
                                if scheme != "admin" else []))
     assert "enc_gnorm" in agg
     assert not any(k.endswith("_dual_norm") for k in agg.get_smoothed_values())
+
+
+# --------------------------------------------------------------------------------------- #
+# DyT's alphas (--admin-norm dyt)
+# --------------------------------------------------------------------------------------- #
+@pytest.mark.parametrize("scheme,per_layer", [
+    # (encoder, decoder) DyTs per layer: Peri-LN has an input and an output one per sub-layer
+    (["--admin-residual", "peri-ln"], (4, 6)),
+    (["--admin-init", "none"], (2, 3)),  # Post-LN: one per sub-layer, no final one
+])
+def test_dyt_alphas_are_logged(tiny_data, scheme, per_layer):
+    """enc_dyt_alpha_* / dec_dyt_alpha_*: mean, min and max over every DyT alpha of the stack
+    (its final one included) after the update, recomputed from the model; logged without a
+    host read; nothing logged for the LayerNorm models."""
+    from fairseq.logging import metrics
+
+    from fairseq_admin_pos.models import monitoring
+    from fairseq_admin_pos.norms import DynamicTanh
+
+    trainer = _trainer(tiny_data, "admin_transformer", [*scheme, "--admin-norm", "dyt",
+                                                        "--dyt-alpha-init", "0.7"])
+    values = _one_update(trainer).get_smoothed_values()
+    model = trainer.get_model()
+    final = "peri-ln" in scheme
+    for stack, prefix, n in (("encoder", "enc", per_layer[0]), ("decoder", "dec", per_layer[1])):
+        alphas = torch.cat([m.alpha.detach().double() for m in getattr(model, stack).modules()
+                            if isinstance(m, DynamicTanh)])
+        assert alphas.numel() == 2 * n + final  # 2 layers (+ the stack's final DyT)
+        assert (alphas != 0.7).all()  # one Adam step moved every alpha
+        for stat, value in (("mean", alphas.mean()), ("min", alphas.min()),
+                            ("max", alphas.max())):
+            assert values[f"{prefix}_dyt_alpha_{stat}"] == pytest.approx(value.item(), abs=6e-5)
+    with metrics.aggregate(new_root=True), NoValueReads():
+        monitoring.log_shortcut_stats(model)
+    layernorm = _one_update(_trainer(tiny_data, "admin_transformer", scheme))
+    assert not any("dyt" in k for k in layernorm.get_smoothed_values())

@@ -15,6 +15,8 @@ the epoch summary, ``--log-format json`` and ``--tensorboard-logdir``):
                                            omega vector of the stack
 ``enc_rezero_mean``, ``_min``, ``_max``    ReZero's branch scalars ``a``
 (``dec_rezero_*``)                         (``--admin-residual rezero``/``rezero-post-ln``)
+``enc_dyt_alpha_mean``, ``_min``, ``_max``  DyT's ``alpha`` (``--admin-norm dyt``): over
+(``dec_dyt_alpha_*``)                      every DyT of the stack, its final one included
 ``enc_pos_scale``, ``dec_pos_scale``       the scaled sinusoid's scale
                                            (``--*-pos-emb scaled-sinusoidal``)
 ``enc_dual_norm``, ``dec_dual_norm``       ResiDual's dual stream (``--admin-residual
@@ -27,7 +29,10 @@ the epoch summary, ``--log-format json`` and ``--tensorboard-logdir``):
 Only what exists and trains is logged: fixed omegas (``--admin-omega buffer``, profiled
 or closed form) and DeepNorm's alpha never change (``fairseq-admin-analyze --checkpoint``
 prints them). B2T adds no weight and no stream (its extra term is the layer input), so it
-adds nothing here. The dual stream is what ResiDual adds to watch: it grows with depth and
+adds nothing here; neither do Peri-LN and Mix-LN (LayerNorms in other places). DyT's
+``alpha`` tracks ``1 / std`` of its input in the paper (Zhu et al. 2025, Fig. 8), so its
+spread over a stack shows how the activation scale changes with depth and training. The
+dual stream is what ResiDual adds to watch: it grows with depth and
 training (the paper's fp16 remark, Appendix G.3), and here it is carried in float32.
 
 The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
@@ -74,6 +79,7 @@ from fairseq.trainer import Trainer
 from fairseq_admin_pos.models.admin_profile import residual_stacks
 from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
 from fairseq_admin_pos.models.positions import ScaledSinusoidalPositions
+from fairseq_admin_pos.norms import DynamicTanh
 from fairseq_admin_pos.schemes import ReZeroResidual
 from fairseq_admin_pos.speed import trainer as speed_trainer
 
@@ -138,7 +144,8 @@ def _plan(model: nn.Module) -> dict:
 
 def shortcut_values(model: nn.Module) -> Dict[str, List[torch.Tensor]]:
     """The trainable shortcut-side weights per metric stem: ``{"enc_omega": [omega vectors],
-    "dec_rezero": [a scalars], "enc_pos_scale": [scale], ...}``; absent when there are none."""
+    "dec_rezero": [a scalars], "enc_dyt_alpha": [DyT alphas], "enc_pos_scale": [scale],
+    ...}``; absent when there are none."""
     out: Dict[str, List[torch.Tensor]] = {}
     for stack, modules in residual_stacks(model).items():
         prefix = STACK_PREFIX[stack]
@@ -150,6 +157,10 @@ def shortcut_values(model: nn.Module) -> Dict[str, List[torch.Tensor]]:
             if p is not None:
                 out.setdefault(stem, []).append(p)
     for stack, prefix in STACK_PREFIX.items():
+        alphas = [m.alpha for m in getattr(model, stack).modules()
+                  if isinstance(m, DynamicTanh) and m.alpha.requires_grad]
+        if alphas:
+            out[f"{prefix}_dyt_alpha"] = alphas
         positions = getattr(getattr(model, stack), "embed_positions", None)
         if isinstance(positions, ScaledSinusoidalPositions):
             scale = _trainable(positions.embed, "scaling")
