@@ -248,13 +248,20 @@ def main(argv=None):
     if args.clip_norm < 0:
         parser.error(f"--clip-norm: {args.clip_norm:g} is negative; 0 turns clipping off")
     args.out = args.out.resolve()
-    args.out.mkdir(parents=True, exist_ok=True)
     csv_path = args.out / "results.csv"
     grid = _grid(args, schemes, depths, seeds, positions)
 
-    check_imports(args.report_only)
     if not args.report_only:
-        check_data(args.data)
+        try:
+            check_data(args.data)
+        except SystemExit as err:
+            # one line naming --data and what it must hold, argparse's exit status, nothing
+            # written (--out is made after the check); before check_imports, whose fairseq
+            # import leaves the root logger at DEBUG, so that nothing else is printed
+            parser.exit(2, f"{parser.prog}: error: {err.code}\n")
+    check_imports(args.report_only)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
         root = prepare_data(args.data, args.out, args.vocab, args.threads, args.threads)
         unigram_bits = unigram_entropy_bits(root)
         log(f"unigram entropy of train.{TGT}: {unigram_bits:.3f} bits/token")

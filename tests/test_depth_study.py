@@ -259,3 +259,34 @@ def test_clip_norm_reaches_fairseq_and_labels_the_row(tmp_path):
 def test_negative_clip_norm_is_an_error_naming_the_flag(tmp_path):
     proc = study("--out", tmp_path, "--report-only", "--clip-norm", "-1", check=False)
     assert proc.returncode == 2 and "--clip-norm" in proc.stderr
+
+
+MULTI30K_FILES = [f"{split}.{lang}.gz" for split in ("train", "val", "test_2016_flickr")
+                  for lang in ("en", "de")]
+
+
+@pytest.mark.parametrize("case", ["no-folder", "empty-folder", "one-file-missing"])
+def test_deep_shallow_plan_with_bad_data_is_one_line_and_leaves_nothing(tmp_path, case):
+    """issue 41: `--plan deep-shallow` with a --data folder that is not Multi30k's: one
+    `depth_study.py: error:` line naming --data and the files it must hold, exit status 2,
+    nothing printed on stdout, and no --out folder (nor anything else) written."""
+    data = tmp_path / "m30k"
+    if case == "empty-folder":
+        data.mkdir()
+    elif case == "one-file-missing":
+        write_fake_multi30k(data)
+        (data / "val.de.gz").unlink()
+    before = sorted(tmp_path.rglob("*"))
+    out = tmp_path / "out"
+    proc = study("--plan", "deep-shallow", "--data", data, "--out", out, check=False)
+    assert proc.returncode == 2, proc.stderr
+    if case == "no-folder":
+        want = (f"--data {data}: not a directory. It must hold Multi30k Task 1 raw text: "
+                + ", ".join(MULTI30K_FILES))
+    else:
+        missing = MULTI30K_FILES if case == "empty-folder" else ["val.de.gz"]
+        want = (f"--data {data}: missing {', '.join(missing)} (expected the gzip files of "
+                "multi30k/dataset data/task1/raw: train, val, test_2016_flickr x .en/.de)")
+    assert proc.stderr.splitlines() == [f"depth_study.py: error: {want}"]
+    assert proc.stdout == ""
+    assert not out.exists() and sorted(tmp_path.rglob("*")) == before
