@@ -136,7 +136,8 @@ def functional_change(model, n, eps, seed):
     return float(ref_enc), float(ref_dec), len(perturbed)
 
 
-@pytest.mark.parametrize("variant", ["post-ln", "admin-closed-form", "b2t", "resi-dual"])
+@pytest.mark.parametrize("variant", ["post-ln", "admin-closed-form", "b2t", "resi-dual",
+                                     "peri-ln", "mix-ln-dyt", "post-ln-dyt"])
 def test_output_change_matches_functional_recomputation(tmp_path, variant):
     model, n = _tiny_model(3, variant, tmp=tmp_path)
     before = {k: v.clone() for k, v in model.named_parameters()}

@@ -43,7 +43,8 @@ does not depend on any branch weight: its output change under ``--perturb branch
 exactly 0 at every depth (the scalars themselves are perturbed relative to their rms, 0).
 The plot cannot draw 0 on a log axis and lists such a variant in the legend instead.
 ``--variants`` defaults to the Admin comparison (Post-LN, Pre-LN, Admin closed-form and
-profiled); ``all`` adds the rivals.
+profiled); ``all`` adds the rivals, the LayerNorm placements Peri-LN and Mix-LN, and
+Post-LN, Pre-LN, Peri-LN and Mix-LN with DyT in place of LayerNorm (``*-dyt``).
 
 ``--checkpoint CKPT`` measures a trained model instead: the same output change for the
 checkpoint's weights and for the model training started from (the checkpoint's flags,

@@ -54,6 +54,19 @@ VARIANTS: Dict[str, Variant] = {
     "rezero-post-ln": Variant("ReZero Post-LN", ("--admin-residual", "rezero-post-ln")),
     "b2t": Variant("B2T connection", ("--admin-residual", "b2t")),
     "resi-dual": Variant("ResiDual", ("--admin-residual", "resi-dual")),
+    # the LayerNorm placements of issue 39 (fairseq_admin_pos.placements) and DyT in place of
+    # LayerNorm (fairseq_admin_pos.norms); Admin's omegas are not defined with DyT
+    "peri-ln": Variant("Peri-LN", ("--admin-residual", "peri-ln")),
+    "mix-ln": Variant("Mix-LN (alpha 0.25)", ("--admin-residual", "mix-ln")),
+    "post-ln-dyt": Variant("Post-LN, DyT", ("--admin-init", "none", "--admin-norm", "dyt")),
+    "pre-ln-dyt": Variant(
+        "Pre-LN, DyT",
+        ("--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before",
+         "--admin-norm", "dyt"),
+    ),
+    "peri-ln-dyt": Variant("Peri-LN, DyT", ("--admin-residual", "peri-ln", "--admin-norm", "dyt")),
+    "mix-ln-dyt": Variant("Mix-LN (alpha 0.25), DyT",
+                          ("--admin-residual", "mix-ln", "--admin-norm", "dyt")),
 }
 
 #: what ``--variants`` runs when not given
