@@ -75,13 +75,16 @@ def test_quick_run_prints_and_writes_every_variant(tiny_data, tmp_path):
     out = tmp_path / "speed.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "speed_vs_stock.py"), "--data", str(tiny_data),
-         "--quick", "--threads", "1", "--json", str(out)],
+         "--quick", "--threads", "1", "--json", str(out), "--variants",
+         # the default variants, then issue 39's (named: not in the default set)
+         "admin,admin-buffer,b2t,resi-dual,pre-ln,peri-ln,mix-ln,pre-ln-dyt"],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads(out.read_text())
     (result,) = summary["results"]
     variants = [r["variant"] for r in result["rows"]]
-    assert variants == ["stock", "admin", "admin-buffer", "b2t", "resi-dual"]
+    assert variants == ["stock", "admin", "admin-buffer", "b2t", "resi-dual", "pre-ln",
+                        "peri-ln", "mix-ln", "pre-ln-dyt"]
     for r in result["rows"]:
         assert r["step_ms"] > 0 and r["words_per_s"] > 0 and 0 < r["mfu"]
         assert r["aten_ops"] > 100 and r["peak_mib"] > 0
@@ -90,3 +93,7 @@ def test_quick_run_prints_and_writes_every_variant(tiny_data, tmp_path):
     assert by["admin"]["host_reads"] < by["stock"]["host_reads"]
     assert by["admin"]["aten_ops"] < by["stock"]["aten_ops"]
     assert "| admin |" in proc.stdout and "admin / stock: words/s" in proc.stdout
+    for v in ("peri-ln", "mix-ln", "pre-ln-dyt"):
+        ratio = by[v]["words_per_s"] / by["stock"]["words_per_s"]
+        assert f"{v} / stock: words/s {ratio:.3f}" in proc.stdout
+    assert "pre-ln-dyt / pre-ln (DyT's cost over LayerNorm): words/s" in proc.stdout

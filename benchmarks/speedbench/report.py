@@ -35,7 +35,8 @@ def table(rows: List[Dict], cuda: bool) -> List[str]:
 
 def targets(rows: List[Dict]) -> List[str]:
     """The issue's ratios: admin / stock and admin / the faster of B2T and ResiDual (words/s)
-    and aten ops per step admin / stock."""
+    and aten ops per step admin / stock; the LayerNorm placements and DyT / stock, and DyT
+    against Pre-LN with LayerNorm."""
     by = {r["variant"]: r for r in rows}
     out = []
     if "admin" in by:
@@ -50,6 +51,14 @@ def targets(rows: List[Dict]) -> List[str]:
             c = by["admin-compiled"]
             out.append(f"admin-compiled / admin: words/s {c['words_per_s'] / a['words_per_s']:.3f}"
                        f"; MFU {100 * a['mfu']:.2f}% -> {100 * c['mfu']:.2f}%")
+    # issue 39: the LayerNorm placements and DyT against stock, DyT against its LayerNorm twin
+    for v in ("pre-ln", "peri-ln", "mix-ln", "pre-ln-dyt"):
+        if v in by:
+            out.append(f"{v} / stock: words/s "
+                       f"{by[v]['words_per_s'] / by['stock']['words_per_s']:.3f}")
+    if "pre-ln-dyt" in by and "pre-ln" in by:
+        out.append(f"pre-ln-dyt / pre-ln (DyT's cost over LayerNorm): words/s "
+                   f"{by['pre-ln-dyt']['words_per_s'] / by['pre-ln']['words_per_s']:.3f}")
     return out
 
 

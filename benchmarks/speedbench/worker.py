@@ -38,6 +38,15 @@ ALL_VARIANTS = {
     "admin-buffer": ["--arch", "admin_transformer", "--admin-init", "closed-form"],
     "b2t": ["--arch", "admin_transformer", "--admin-residual", "b2t"],
     "resi-dual": ["--arch", "admin_transformer", "--admin-residual", "resi-dual"],
+    # issue 39: the LayerNorm placements and DyT in place of LayerNorm (Pre-LN beside it, the
+    # placement DyT's paper uses, so "pre-ln-dyt / pre-ln" is DyT's own cost)
+    "pre-ln": ["--arch", "admin_transformer", "--admin-init", "none",
+               "--encoder-normalize-before", "--decoder-normalize-before"],
+    "peri-ln": ["--arch", "admin_transformer", "--admin-residual", "peri-ln"],
+    "mix-ln": ["--arch", "admin_transformer", "--admin-residual", "mix-ln"],
+    "pre-ln-dyt": ["--arch", "admin_transformer", "--admin-init", "none",
+                   "--encoder-normalize-before", "--decoder-normalize-before",
+                   "--admin-norm", "dyt"],
     # the opt-in compiled layers (fairseq_admin_pos/speed/compile.py)
     "admin-compiled": ADMIN + ["--admin-compile", "layers"],
 }
