@@ -206,7 +206,8 @@ def depth_study_module():
 
 
 @pytest.mark.parametrize("scheme,positions", [("admin-paper", "sinusoidal"),
-                                              ("admin", "scaled-sinusoidal")])
+                                              ("admin", "scaled-sinusoidal"),
+                                              ("mix-ln-dyt", "sinusoidal")])
 def test_every_planned_variant_is_known_to_this_checkout(depth_study_module, scheme, positions):
     # admin-paper's --radam-early-steps is listed by fairseq only once --optimizer radam is
     # chosen: the check must not pass such a variant over
@@ -236,6 +237,22 @@ def test_demo_scale_plan_is_the_issues_grid_once_each(depth_study_module):
                  for p in ("sinusoidal", "scaled-sinusoidal", "learned", "scaled-sinusoidal-seed")}
     assert len(plan) == len(set(plan)) == 39
     assert set(plan) == expected
+
+
+def test_norms_2025_plan_is_the_issues_grid_seed_one_first(depth_study_module):
+    # issue 39: Peri-LN, Mix-LN and the DyT variants (with the pre-ln/post-ln baselines) at the
+    # deep encoder and 12L-12L, 3 seeds; seed 1 of every new scheme before any other run
+    m = depth_study_module
+    plan, deep = m.PLANS["norms-2025"], m._DEEP_ENC
+    new = ("peri-ln", "mix-ln", "pre-ln-dyt", "peri-ln-dyt", "mix-ln-dyt", "post-ln-dyt")
+    expected = {(s, d, seed, "sinusoidal") for s in new + ("pre-ln", "post-ln")
+                for d in (deep, "12L-12L") for seed in (1, 2, 3)}
+    assert len(plan) == len(set(plan)) == 48 and set(plan) == expected
+    assert set(plan[:12]) == {(s, d, 1, "sinusoidal") for s in new for d in (deep, "12L-12L")}
+    assert [r[1] for r in plan[:12]] == [deep] * 6 + ["12L-12L"] * 6
+    assert m.SCHEMES["mix-ln-dyt"] == ["--admin-residual", "mix-ln", "--admin-norm", "dyt"]
+    assert m.SCHEMES["pre-ln-dyt"] == m.SCHEMES["pre-ln"] + ["--admin-norm", "dyt"]
+    assert "admin-dyt" not in m.SCHEMES  # refused: Admin's omegas assume LayerNorm
 
 
 def test_clip_norm_reaches_fairseq_and_labels_the_row(tmp_path):

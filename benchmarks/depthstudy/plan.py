@@ -200,3 +200,32 @@ PLANS["deep-shallow"] = (
 PLANS["deep-shallow-warmup"] = [(s, d, 1, "sinusoidal") for d in ("12L-1L", "24L-1L")
                                 for s in ("admin-paper", "admin")]
 PLAN_RECIPES["deep-shallow-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
+
+# --------------------------------------------------------------------------- norms 2025
+#: issue 39: the LayerNorm placements Peri-LN and Mix-LN (fairseq_admin_pos.placements) and
+#: DyT in place of LayerNorm (fairseq_admin_pos.norms) in Post-LN, Pre-LN, Peri-LN and Mix-LN.
+#: Admin's omegas are refused with DyT (they give back what a LayerNorm divides out), so
+#: there is no admin-dyt.
+_PRE_LN = ["--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before"]
+_DYT = ["--admin-norm", "dyt"]
+SCHEMES["peri-ln"] = ["--admin-residual", "peri-ln"]
+SCHEMES["mix-ln"] = ["--admin-residual", "mix-ln"]  # --mix-ln-alpha 0.25, the paper's
+SCHEMES["pre-ln-dyt"] = _PRE_LN + _DYT
+SCHEMES["post-ln-dyt"] = ["--admin-init", "none"] + _DYT
+SCHEMES["peri-ln-dyt"] = SCHEMES["peri-ln"] + _DYT
+SCHEMES["mix-ln-dyt"] = SCHEMES["mix-ln"] + _DYT
+#: most informative first: the two placements with LayerNorm (the papers' claims), then DyT
+#: in the placement its paper uses (Pre-LN), in the new placements, and in Post-LN (expected
+#: to fail where Post-LN fails)
+_NORMS = ("peri-ln", "mix-ln", "pre-ln-dyt", "peri-ln-dyt", "mix-ln-dyt", "post-ln-dyt")
+PLANS["norms-2025"] = (
+    # seed 1 of every scheme at the deep encoder, then at 12L-12L
+    [(s, d, 1, "sinusoidal") for d in (_DEEP_ENC, "12L-12L") for s in _NORMS]
+    # then seeds 2 and 3, a second seed of everything before a third
+    + [(s, d, seed, "sinusoidal") for seed in (2, 3) for d in (_DEEP_ENC, "12L-12L")
+       for s in _NORMS]
+    # the LayerNorm baselines of the same cells last: demo-scale's rows where they exist (a
+    # row already in results.csv is not run again), post-ln's deep-encoder seeds 2 and 3 new
+    + [(s, d, seed, "sinusoidal") for seed in (1, 2, 3) for d in (_DEEP_ENC, "12L-12L")
+       for s in ("pre-ln", "post-ln")]
+)
