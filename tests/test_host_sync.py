@@ -28,6 +28,15 @@ SCHEMES = {
     # ResiDual's stacks also compute the dual-stream norm for the monitor in training
     "b2t": ["--admin-residual", "b2t"],
     "resi-dual": ["--admin-residual", "resi-dual"],
+    # issue 39: the LayerNorm placements (Mix-LN's alpha 0.5: one Post-LN, one Pre-LN layer
+    # per 2-layer stack) and DyT in place of LayerNorm
+    "peri-ln": ["--admin-residual", "peri-ln"],
+    "mix-ln": ["--admin-residual", "mix-ln", "--mix-ln-alpha", "0.5"],
+    "post-ln-dyt": ["--admin-init", "none", "--admin-norm", "dyt"],
+    "pre-ln-dyt": ["--admin-init", "none", "--encoder-normalize-before",
+                   "--decoder-normalize-before", "--admin-norm", "dyt"],
+    "peri-ln-dyt": ["--admin-residual", "peri-ln", "--admin-norm", "dyt"],
+    "mix-ln-dyt": ["--admin-residual", "mix-ln", "--mix-ln-alpha", "0.5", "--admin-norm", "dyt"],
 }
 # bfloat16 (fairseq's --bf16 model cast): every scheme once, positions rotated
 BF16 = [(s, POSITIONS[i % len(POSITIONS)]) for i, s in enumerate(SCHEMES)]

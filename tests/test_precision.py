@@ -40,6 +40,20 @@ from model_utils import POS_CHOICES, SMALL, build, build_trainer, residuals, sam
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
+#: issue 39: DyT in place of every LayerNorm, per placement (Mix-LN's alpha 0.5: one Post-LN
+#: and one Pre-LN layer per 2-layer stack); the other schemes are --admin-residual's choices
+DYT_SCHEMES = {
+    "post-ln-dyt": ["--admin-init", "none", "--admin-norm", "dyt"],
+    "pre-ln-dyt": ["--admin-init", "none", "--encoder-normalize-before",
+                   "--decoder-normalize-before", "--admin-norm", "dyt"],
+    "peri-ln-dyt": ["--admin-residual", "peri-ln", "--admin-norm", "dyt"],
+    "mix-ln-dyt": ["--admin-residual", "mix-ln", "--mix-ln-alpha", "0.5", "--admin-norm", "dyt"],
+}
+
+
+def scheme_flags(scheme):
+    return DYT_SCHEMES.get(scheme, ["--admin-residual", scheme])
+
 
 # --------------------------------------------------------------------------------------- #
 # Float32OmegaResidual (pure torch)
@@ -269,19 +283,25 @@ def test_float32_input_is_bitwise_the_seed_module():
 def _fixed_weights(scheme, enc, dec):
     if scheme == "admin":
         return calculate_init(2 * enc), calculate_init(3 * dec)
-    if scheme in ("b2t", "resi-dual"):  # the plain shortcut
+    if scheme in ("b2t", "resi-dual", "peri-ln", "mix-ln", *DYT_SCHEMES):  # the plain shortcut
         return 1.0, 1.0
     c = deepnorm_constants(enc, dec)
     return c.encoder_alpha, c.decoder_alpha
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("scheme", RESIDUAL_SCHEMES)
+@pytest.mark.parametrize("scheme", [*RESIDUAL_SCHEMES, *DYT_SCHEMES])
 def test_model_cast_keeps_fixed_omegas_float32(tiny_data, scheme, precision):
+    from fairseq_admin_pos.norms import DynamicTanh
+
     dtype = LOW[precision]
     model, _, _ = build(tiny_data, "admin_transformer", SMALL + [
-        "--encoder-layers", "3", "--decoder-layers", "2", "--admin-residual", scheme])
+        "--encoder-layers", "3", "--decoder-layers", "2", *scheme_flags(scheme)])
     model.to(dtype)
+    dyts = [m for m in model.modules() if isinstance(m, DynamicTanh)]
+    assert bool(dyts) == (scheme in DYT_SCHEMES)
+    # DyT's alpha, weight and bias follow the model dtype, as LayerNorm's weights do
+    assert all(p.dtype == dtype for m in dyts for p in m.parameters())
     for stack, n_sub in ((model.encoder, 6), (model.decoder, 6)):
         mods = residuals(stack)
         assert len(mods) == n_sub
@@ -339,6 +359,34 @@ def test_low_precision_forward_backward_every_scheme_and_position(tiny_data, sch
     assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("i,scheme", list(enumerate(DYT_SCHEMES)))
+def test_low_precision_forward_backward_dyt(tiny_data, i, scheme, precision):
+    """DyT models (positions rotated): the low-precision model computes what the float32
+    one computes within the dtype's precision, and every DyT alpha gets a finite gradient."""
+    from fairseq_admin_pos.norms import DynamicTanh
+
+    dtype = LOW[precision]
+    pos = POS_CHOICES[i % len(POS_CHOICES)]
+    extra = SMALL + ["--encoder-layers", "2", "--decoder-layers", "2", "--dropout", "0",
+                     *DYT_SCHEMES[scheme], "--encoder-pos-emb", pos, "--decoder-pos-emb", pos]
+    model32, task, _ = build(tiny_data, "admin_transformer", extra, seed=4)
+    low, _, _ = build(tiny_data, "admin_transformer", extra, seed=4)
+    low.to(dtype)
+    model32.eval(), low.eval()
+    src, lengths, prev = sample_batch(task, left_pad_lengths=[7, 5, 3])
+    out32 = model32(src, lengths, prev)[0]
+    out = low(src, lengths, prev)[0]
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    err = (out.float() - out32).norm() / out32.norm()
+    assert err < (0.03 if dtype == torch.bfloat16 else 0.005), err.item()
+    low.train()
+    low(src, lengths, prev)[0].float().logsumexp(-1).sum().backward()
+    alphas = [m.alpha for m in low.modules() if isinstance(m, DynamicTanh)]
+    assert alphas and all(a.grad is not None and a.grad.dtype == dtype for a in alphas)
+    assert all(torch.isfinite(a.grad).all() and a.grad.abs().item() > 0 for a in alphas)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_profiling_statistics_stay_float32_in_a_low_precision_model(tiny_data, dtype):
     from fairseq_admin_pos.models import admin_profile
@@ -376,6 +424,9 @@ def _trainer(data, extra, precision):
 LATIN = [(precision, scheme, POS_CHOICES[(i + shift) % len(POS_CHOICES)])
           for precision, shift in (("fp16", 0), ("bf16", 2))
           for i, scheme in enumerate(RESIDUAL_SCHEMES)]
+# DyT: each placement once, two per precision
+LATIN += [(("fp16", "bf16")[i % 2], scheme, POS_CHOICES[(i + 1) % len(POS_CHOICES)])
+          for i, scheme in enumerate(DYT_SCHEMES)]
 
 
 @pytest.mark.parametrize("precision,scheme,pos", LATIN)
@@ -383,7 +434,7 @@ def test_fairseq_trainer_every_scheme_and_position(tiny_data, scheme, pos, preci
     from fairseq.optim import FP16Optimizer
 
     dtype = LOW[precision]
-    trainer = _trainer(tiny_data, ["--admin-residual", scheme, "--encoder-pos-emb", pos,
+    trainer = _trainer(tiny_data, [*scheme_flags(scheme), "--encoder-pos-emb", pos,
                                    "--decoder-pos-emb", pos, "--dropout", "0.1"], precision)
     model = trainer.model
     assert model.decoder.embed_tokens.weight.dtype == dtype
