@@ -121,6 +121,54 @@ TRAIN_CASES = {
         "--admin-init profile cannot be combined with --store-ema: fairseq copies the model "
         "for the EMA when the trainer is built, i.e. before the omegas are profiled on the "
         "first batch"),
+    # issue 39: Peri-LN, Mix-LN and DyT (fairseq_admin_pos/models/flags.py, check_norm_flags)
+    "mix-ln-alpha-without-mix-ln": (
+        ["--admin-residual", "peri-ln", "--mix-ln-alpha", "0.5"],
+        "--mix-ln-alpha 0.5 only applies to --admin-residual mix-ln (its fraction of Post-LN "
+        "layers per stack), but --admin-residual is peri-ln; use --admin-residual mix-ln or "
+        "drop --mix-ln-alpha"),
+    "mix-ln-alpha-out-of-range": (
+        ["--admin-residual", "mix-ln", "--mix-ln-alpha", "1.5"],
+        "--mix-ln-alpha must be a number in [0, 1] (the fraction of each stack's layers that "
+        "use Post-LN); got 1.5"),
+    "mix-ln-without-layers": (
+        ["--admin-residual", "mix-ln", "--encoder-layers", "0"],
+        "--encoder-layers 0 cannot be combined with --admin-residual mix-ln: a stack without "
+        "layers has no Post-LN/Pre-LN split (alpha 0 would end it with a LayerNorm, alpha 1 "
+        "would not); use at least one layer"),
+    "placement-with-pre-ln": (
+        ["--admin-residual", "peri-ln", "--encoder-normalize-before"],
+        "--encoder-normalize-before (Pre-LN) cannot be combined with --admin-residual peri-ln: "
+        "peri-ln sets every layer's LayerNorm placement itself (a LayerNorm on the input and "
+        "on the output of every sub-layer); drop --encoder-normalize-before"),
+    "placement-with-admin-init": (
+        ["--admin-residual", "mix-ln", "--admin-init", "closed-form"],
+        "--admin-residual mix-ln uses the plain shortcut x + f(x) (Admin's omegas inside "
+        "another LayerNorm placement would be a new, untested scheme); it cannot be combined "
+        "with --admin-init closed-form (valid with mix-ln: --admin-init none, the default for "
+        "mix-ln; drop --admin-init), or use --admin-residual admin for Admin's omegas"),
+    "dyt-alpha-init-without-dyt": (
+        ["--dyt-alpha-init", "0.3"],
+        "--dyt-alpha-init 0.3 only applies to --admin-norm dyt (DyT's initial tanh scale "
+        "alpha), but --admin-norm is layernorm; add --admin-norm dyt or drop --dyt-alpha-init"),
+    "dyt-alpha-init-not-positive": (
+        ["--admin-init", "none", "--admin-norm", "dyt", "--dyt-alpha-init", "0"],
+        "--dyt-alpha-init must be a positive finite number (DyT's initial tanh scale alpha, "
+        "0.5 in the paper); got 0.0"),
+    "dyt-with-admin-omegas": (
+        ["--admin-norm", "dyt"],
+        "--admin-norm dyt cannot be combined with --admin-init closed-form: Admin's omegas give "
+        "back the magnitude a LayerNorm divides out of each sum (the closed form assumes "
+        "unit-variance LayerNorm outputs; the profile sets omega to the std of the sum, "
+        "LayerNorm's divisor), and DyT (g * tanh(alpha x) + b) divides by no std (profiled "
+        "with DyT the omegas fall below 1 and shrink the shortcut, the opposite of Admin); use "
+        "--admin-init none (Post-LN or Pre-LN with DyT)"),
+    "dyt-with-rival": (
+        ["--admin-residual", "deepnorm", "--admin-norm", "dyt"],
+        "--admin-norm dyt cannot be combined with --admin-residual deepnorm: DeepNet derives "
+        "its alpha and beta for Post-LN sub-layers whose LayerNorm normalises each sum "
+        "LN(alpha x + f(x)), and DyT does not normalise; valid with dyt: --admin-residual "
+        "admin --admin-init none (Post-LN, Pre-LN), peri-ln, mix-ln"),
     "compile-with-activation-checkpointing": (
         ["--admin-compile", "layers", "--checkpoint-activations"],
         "--admin-compile layers cannot be combined with --checkpoint-activations / "
@@ -163,6 +211,9 @@ HYDRA_CASES = {
                     "--help` with '-' written '_' (e.g. --admin-init -> model.admin_init)."),
     "combination": ("+model.admin_residual=b2t", TRAIN_CASES["rival-with-admin-init"][1]
                     .replace("--admin-init closed-form", "--admin-init profile")),
+    "norm-choice": ("+model.admin_norm=rmsnorm",
+                    "model.admin_norm='rmsnorm' (--admin-norm) is not valid; valid choices: "
+                    "layernorm, dyt"),
 }
 
 
