@@ -22,13 +22,32 @@ sentences whose output equals the plugin's.
 
     python benchmarks/deploy_speed.py                 # demo_out/admin, 1 thread, 3 rounds
     python benchmarks/deploy_speed.py --threads 2 --rounds 5 --work bench_out/deploy
+
+Issue 41 adds two modes (parts in ``benchmarks/deployspeed/``), each writing one CSV row per
+(shape, scheme, engine, precision, batch, threads) with the CPU, sentences/s, ms per sentence
+and the ratio to the 6L-6L row of the same scheme, engine, precision, batch and threads, and
+printing the rows as a markdown table:
+
+* ``--study-out OUT [--plan deep-shallow] [--cells admin:12L-1L,...]``: one trained
+  checkpoint per cell of a depth-study plan through ``fairseq-generate --user-dir`` and the
+  CTranslate2 export (float32, int8; plugin only where the export refuses the scheme), on
+  test2016 at batch 64 and 1 with 1 and 2 threads (``deployspeed/cells.py``); CSV default
+  ``docs/deploy_speed_cells.csv``, which ``depth_study.py --publish docs`` reads;
+* ``--wmt-shapes``: untrained WMT-base shapes (d 512, FFN 2048, 8 heads, synthetic joined
+  vocabulary of 32000 symbols; 6L-6L, 12L-3L, 12L-1L, 24L-1L) exported to CTranslate2 and
+  timed with every output held to its reference's length (``deployspeed/shapes.py``); CSV
+  default ``docs/deploy_speed_shapes.csv``.
+
+``--quick`` runs either mode in seconds (1 round, 1 thread; tiny WMT shapes, 24 sentences;
+the CSV in the work folder) for the tests:
+
+    python benchmarks/deploy_speed.py --study-out runs/depth_study --plan deep-shallow
+    python benchmarks/deploy_speed.py --wmt-shapes --text runs/depth_study/data/spm
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -36,22 +55,15 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-BEAM, LENPEN, MAX_LEN_A, MAX_LEN_B, BATCH = 4, 0.6, 1.2, 10, 64
+# the parts live in benchmarks/deployspeed/ (and the study's in benchmarks/depthstudy/)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deployspeed.timing import (BEAM, LENPEN, MAX_LEN_A, MAX_LEN_B, REPO,  # noqa: E402,F401
+                                cpu_name, detok, fairseq_generate, markdown, parse_ints,
+                                tool, write_csv)
+
+BATCH = 64
 WAYS = ("fairseq + plugin", "fairseq, exported", "CTranslate2 float32", "CTranslate2 int8")
-
-
-def tool(name: str) -> str:
-    path = BIN / name
-    return str(path) if path.exists() else name
-
-
-def thread_env(threads: int) -> Dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-             PYTHONWARNINGS="ignore")
-    e.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-    return e
 
 
 def export(args, work: Path) -> Dict[str, Path]:
@@ -77,37 +89,9 @@ def read_lines(path: Path) -> List[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def detok(pieces: List[str]) -> str:
-    # what fairseq's --post-process sentencepiece does to a hypothesis
-    return "".join(pieces).replace("\u2581", " ").strip()
-
-
 def run_fairseq(args, checkpoint: Path, plugin: bool) -> (List[str], float):
-    cmd = [tool("fairseq-generate"), args.data, "--path", checkpoint, "--gen-subset", "test",
-           "--beam", str(BEAM), "--lenpen", str(LENPEN), "--batch-size", str(BATCH),
-           "--max-len-a", str(MAX_LEN_A), "--max-len-b", str(MAX_LEN_B),
-           "--remove-bpe", "sentencepiece", "--cpu", "--num-workers", "0",
-           # stock fairseq's batching drops a split's last (len % 8) sentences; the plugin
-           # fixes that (README, "Fixes to the fairseq we run on"), plain fairseq needs this
-           "--required-batch-size-multiple", "1"]
-    if plugin:
-        cmd[2:2] = ["--user-dir", REPO / "fairseq_admin_pos"]
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
-                          env=thread_env(args.threads))
-    if proc.returncode != 0:
-        raise SystemExit(f"fairseq-generate failed:\n{proc.stderr[-3000:]}")
-    hyps = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("D-"):
-            sid, _, text = line.split("\t", 2)
-            hyps[int(sid[2:])] = text
-    m = re.search(r"Translated ([\d,]+) sentences \(.*?\) in ([\d.]+)s", proc.stdout + proc.stderr)
-    if m is None:
-        raise SystemExit("fairseq-generate printed no 'Translated N sentences ... in Xs' line")
-    n, seconds = int(m.group(1).replace(",", "")), float(m.group(2))
-    if sorted(hyps) != list(range(len(hyps))):
-        raise SystemExit(f"fairseq-generate {checkpoint}: sentence ids are not 0..N-1")
-    return [hyps[i] for i in range(len(hyps))], n / seconds
+    hyps, n, seconds = fairseq_generate(args.data, checkpoint, BATCH, args.threads, plugin)
+    return hyps, n / seconds
 
 
 def run_ct2(args, folder: Path, compute_type: str, sources, references
@@ -126,19 +110,70 @@ def run_ct2(args, folder: Path, compute_type: str, sources, references
     return [detok(tokens) for tokens, _ in out], len(sources) / seconds
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--demo-out", type=Path, default=Path("demo_out"),
                    help="make demo's output folder (default demo_out)")
     p.add_argument("--scheme", default="admin", help="the demo run to deploy (default admin)")
     p.add_argument("--work", type=Path, default=None,
-                   help="where the exports go (default DEMO_OUT/SCHEME/deploy)")
-    p.add_argument("--threads", type=int, default=1,
+                   help="where the exports go (default DEMO_OUT/SCHEME/deploy; with "
+                   "--study-out: the first STUDY_OUT/deploy_speed; with --wmt-shapes: "
+                   "runs/deploy_speed/wmt-shapes)")
+    p.add_argument("--threads", default=None,
                    help="threads of every engine (OMP/MKL for fairseq, intra_threads for "
-                   "CTranslate2; default 1)")
-    p.add_argument("--rounds", type=int, default=3, help="measurements per engine (default 3)")
+                   "CTranslate2; default 1); with --study-out / --wmt-shapes a comma list, "
+                   "each timed (default 1,2)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measurements per engine (default 3; --quick: 1)")
+    g = p.add_argument_group("issue 41: trained cells of a depth-study plan")
+    g.add_argument("--study-out", type=Path, action="append", default=None, metavar="OUT",
+                   help="a depth study's output folder (results.csv, runs/*/ckpt, data); "
+                   "repeat to search several in order (a cell's first run with a checkpoint "
+                   "wins, timed with its own folder's data)")
+    g.add_argument("--plan", default="deep-shallow",
+                   help="the plan whose cells are timed (default deep-shallow)")
+    g.add_argument("--cells", default="",
+                   help="only these cells, scheme:<enc>L-<dec>L comma list (cells outside the "
+                   "plan are looked up with the plan's recipe)")
+    g = p.add_argument_group("issue 41: untrained WMT-base shapes")
+    g.add_argument("--wmt-shapes", action="store_true",
+                   help="time untrained WMT-base shapes as CTranslate2 models with fixed "
+                   "output lengths (deployspeed/shapes.py)")
+    g.add_argument("--shapes", default="6L-6L,12L-3L,12L-1L,24L-1L",
+                   help="the shapes of --wmt-shapes (default 6L-6L,12L-3L,12L-1L,24L-1L)")
+    g.add_argument("--text", type=Path, default=None,
+                   help="folder with the sentencepiece test.en / test.de the WMT inputs and "
+                   "output lengths come from (default STUDY_OUT/data/spm, else "
+                   "runs/depth_study/data/spm)")
+    g.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep the untrained WMT checkpoints after their export")
+    g = p.add_argument_group("both issue-41 modes")
+    g.add_argument("--batches", default="64,1",
+                   help="batch sizes timed (default 64,1: sentences/s at 64, latency at 1)")
+    g.add_argument("--csv", type=Path, default=None,
+                   help="the CSV to write (default docs/deploy_speed_cells.csv or "
+                   "docs/deploy_speed_shapes.csv; --quick: in the work folder)")
+    g.add_argument("--quick", action="store_true",
+                   help="seconds, for the tests: 1 round, 1 thread; tiny WMT shapes (d 16, "
+                   "vocabulary 64) on 24 sentences; the CSV in the work folder")
+    return p
+
+
+def main(argv=None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.study_out and args.wmt_shapes:
+        p.error("--study-out and --wmt-shapes are two runs: give one")
+    if args.study_out or args.wmt_shapes:
+        return issue41_main(args)
+    if args.quick:
+        p.error("--quick applies to --study-out and --wmt-shapes")
+    args.threads = parse_ints(args.threads or "1", "--threads")
+    if len(args.threads) != 1:
+        p.error("--threads: the demo's comparison takes one thread count")
+    args.threads = args.threads[0]
+    args.rounds = args.rounds or 3
     run_dir = args.demo_out / args.scheme
     args.checkpoint = run_dir / "checkpoints" / "checkpoint_last.pt"
     args.data = args.demo_out / "data-bin"
@@ -191,19 +226,46 @@ def main(argv=None) -> None:
         print(f"| {row['engine']} | {row['bleu']:.2f} | {row['sentences_per_s']:.1f} | "
               f"{row['ratio']:.2f} | {row['same_as_plugin']} / {len(refs)} |")
     result = {"threads": args.threads, "rounds": args.rounds, "rows": rows,
-              "cpu": _cpu_name(), "checkpoint": str(args.checkpoint)}
+              "cpu": cpu_name(), "checkpoint": str(args.checkpoint)}
     (work / "deploy_speed.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{_cpu_name()}; results in {work / 'deploy_speed.json'}")
+    print(f"\n{cpu_name()}; results in {work / 'deploy_speed.json'}")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} x {os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{os.cpu_count()} CPUs"
+def issue41_main(args) -> None:
+    """``--study-out`` (deployspeed/cells.py) or ``--wmt-shapes`` (deployspeed/shapes.py):
+    time, write the CSV, print the markdown table."""
+    import logging
+
+    # fairseq's INFO lines (task setup, model loading) would bury the progress
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args.threads = parse_ints(args.threads or ("1" if args.quick else "1,2"), "--threads")
+    args.batches = parse_ints(args.batches, "--batches")
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.precisions = ("float32", "int8")
+    if args.study_out:
+        from deployspeed import cells as mode
+
+        args.study_out = [o.resolve() for o in args.study_out]
+        kind = "cells"
+        args.work = args.work or args.study_out[0] / "deploy_speed"
+    else:
+        from deployspeed import shapes as mode
+
+        kind = "shapes"
+        args.work = args.work or REPO / "runs" / "deploy_speed" / "wmt-shapes"
+        args.text = args.text or (REPO / "runs" / "depth_study" / "data" / "spm")
+        if not (args.text / "test.en").is_file():
+            raise SystemExit(f"--text {args.text}: no test.en / test.de (sentencepiece pieces "
+                             "of test2016, e.g. a depth study's OUT/data/spm)")
+    args.work.mkdir(parents=True, exist_ok=True)
+    csv_path = args.csv or (args.work if args.quick else REPO / "docs") / \
+        f"deploy_speed_{kind}.csv"
+    rows = mode.run(args)
+    write_csv(csv_path, rows)
+    print(f"\nbeam {BEAM}, lenpen {LENPEN}, median of {args.rounds} round(s) in rotating order; "
+          f"{cpu_name()}\n")
+    print("\n".join(markdown(rows)))
+    print(f"\n{len(rows)} rows in {csv_path}")
 
 
 if __name__ == "__main__":

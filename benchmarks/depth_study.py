@@ -95,6 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from depthstudy.common import (REPO, USER_DIR, cpu_name, fairseq_env, log,  # noqa: E402,F401
                                parse_depth, relative, run_checked, show)
+from depthstudy.deepshallow import END as DS_END, START as DS_START  # noqa: E402
 from depthstudy.data import (LANGS, SPLITS, SRC, TGT, check_data, prepare_data,  # noqa: E402,F401
                              unigram_entropy_bits)
 from depthstudy.logs import LOG_RE, classify, parse_curve  # noqa: E402,F401
@@ -203,7 +204,13 @@ def build_parser():
     p.add_argument("--publish", type=Path, default=None, metavar="DIR",
                    help="also copy results.csv -> DIR/depth_study_results.csv, the figure -> "
                         "DIR/depth_study_loss.png, and put the table into DIR/results.md "
-                        f"between the lines {TABLE_START!r} and {TABLE_END!r}")
+                        f"between the lines {TABLE_START!r} and {TABLE_END!r}; where the page "
+                        f"has the lines {DS_START!r} and {DS_END!r} and --plan deep-shallow "
+                        "has rows, the deep-shallow block between them (cells over seeds, "
+                        "their deployed speed from DIR/deploy_speed_cells.csv and "
+                        "DIR/deploy_speed_shapes.csv of benchmarks/deploy_speed.py, the "
+                        "fastest model within 0.5 BLEU of the best) and, with the cells' "
+                        "speed, DIR/deep_shallow_speed_quality.png")
     p.add_argument("--verbose", action="store_true", help="echo fairseq-train's log")
     return p
 

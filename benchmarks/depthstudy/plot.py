@@ -1,4 +1,5 @@
-"""The study's loss-curve figure."""
+"""The study's figures: loss curves, omegas per sub-layer, and issue 41's speed against
+BLEU."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,15 @@ from pathlib import Path
 from .common import parse_depth
 from .omegas import closed_form
 from .report import _row_order, _study_order, curve_path, depth_order, recipe_label
+
+
+SCHEME_COLORS = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
+                 "admin-profile": "tab:purple", "admin-paper": "tab:purple",
+                 "deepnorm": "tab:orange", "admin-radam": "lime", "admin-profile-radam": "violet",
+                 "admin-paper-adam": "indigo", "admin-paper-floor": "tab:olive",
+                 "admin-paper-closed-bottom": "tab:cyan", "admin-paper-max": "tab:brown",
+                 "admin-paper-enc": "tab:pink", "admin-paper-dec": "tab:gray", "b2t": "gold",
+                 "resi-dual": "teal"}
 
 
 def plotted_study(rows) -> str:
@@ -42,13 +52,7 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
             groups.setdefault(r["depth"], []).append(r)
     keys = sorted(groups, key=depth_order)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4.5), squeeze=False)
-    colors = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
-              "admin-profile": "tab:purple", "admin-paper": "tab:purple",
-              "deepnorm": "tab:orange", "admin-radam": "lime", "admin-profile-radam": "violet",
-              "admin-paper-adam": "indigo", "admin-paper-floor": "tab:olive",
-              "admin-paper-closed-bottom": "tab:cyan", "admin-paper-max": "tab:brown",
-              "admin-paper-enc": "tab:pink", "admin-paper-dec": "tab:gray", "b2t": "gold",
-              "resi-dual": "teal"}
+    colors = SCHEME_COLORS
     pos_colors = {"sinusoidal": "tab:green", "scaled-sinusoidal": "tab:olive",
                   "scaled-sinusoidal-seed": "tab:brown", "learned": "tab:cyan"}
     for ax, k in zip(axes[0], keys):
@@ -121,6 +125,46 @@ def write_omega_plot(rows, path: Path, depth: str = "24L-3L") -> bool:
         ax.set_xlabel("residual sub-layer (execution order)")
         ax.set_ylabel("omega")
         ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_speed_quality_plot(points, path: Path, xlabel: str) -> bool:
+    """Issue 41's answer as a picture: one point per scheme x shape (``points``: dicts with
+    scheme, shape, x = deployed sentences/s, y = mean BLEU, yerr = its sample std over seeds,
+    n = seeds, exported = False where the speed is the plugin's), x on a log scale. False
+    (nothing drawn) without points."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not points:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    seen = set()
+    for p in points:
+        c = SCHEME_COLORS.get(p["scheme"], "black")
+        label = p["scheme"] if p["scheme"] not in seen else None
+        seen.add(p["scheme"])
+        ax.errorbar([p["x"]], [p["y"]], yerr=[p["yerr"]], fmt="o" if p["exported"] else "s",
+                    color=c, mfc=c if p["exported"] else "white", capsize=3, label=label)
+        ax.annotate(f"{p['shape']} (n={p['n']})", (p["x"], p["y"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points", color=c)
+    if not all(p["exported"] for p in points):
+        ax.plot([], [], "s", mfc="white", color="gray",
+                label="plugin speed (scheme not exportable)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"deployed sentences/s ({xlabel}; log scale)")
+    ax.set_ylabel("sacreBLEU test2016, mean over seeds (+- sample std)")
+    ax.set_title("Deep encoder, shallow decoder: speed against quality (issue 41)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

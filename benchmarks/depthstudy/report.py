@@ -261,7 +261,8 @@ TABLE_END = "<!-- depth_study table: end -->"
 
 
 def publish(out: Path, dest: Path) -> None:
-    """Copy the CSV and figure into ``dest`` and refresh the table block of results.md."""
+    """Copy the CSV and figure into ``dest`` and refresh the table block of results.md, and
+    the deep-shallow block (``depthstudy.deepshallow.fill_block``) where the page has one."""
     page = dest / "results.md"
     if not page.is_file():
         raise SystemExit(f"--publish {dest}: {page} does not exist")
@@ -285,5 +286,10 @@ def publish(out: Path, dest: Path) -> None:
     head, rest = text.split(TABLE_START, 1)
     _, tail = rest.split(TABLE_END, 1)
     table = (out / "results_table.md").read_text()
-    page.write_text(f"{head}{TABLE_START}\n{table}{TABLE_END}{tail}")
+    text = f"{head}{TABLE_START}\n{table}{TABLE_END}{tail}"
+    # issue 41: the deep-shallow cells with their deployed speed (benchmarks/deploy_speed.py's
+    # CSVs in dest) and the speed-quality figure, where the page has that block's markers
+    from .deepshallow import fill_block
+
+    page.write_text(fill_block(text, rows, dest, log))
     log(f"published to {page}, {dest/'depth_study_results.csv'}, {dest/'depth_study_loss.png'}")

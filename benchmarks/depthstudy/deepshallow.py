@@ -1,0 +1,306 @@
+"""Issue 41's answer in the docs: the deep-shallow plan's cells (BLEU and validation nll over
+seeds, failures), their deployed speed (``benchmarks/deploy_speed.py --study-out``), the
+untrained WMT-base shapes' speed (``--wmt-shapes``), the speed-quality figure and the line
+naming the fastest model within 0.5 BLEU of the best.
+
+``--publish DIR`` (``report.publish``) calls :func:`fill_block`: the block between
+:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when the plan has rows, and
+left as it is otherwise (also when the page lacks the markers). The speed parts and the figure
+``DIR/deep_shallow_speed_quality.png`` need ``DIR/deploy_speed_cells.csv``; the WMT shapes
+table needs ``DIR/deploy_speed_shapes.csv``. Every figure the block states is computed here
+from those rows.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from .plan import PLAN_RECIPES, PLANS, PRESETS, run_key
+
+PLAN = "deep-shallow"
+START = "<!-- deep_shallow table: start -->"
+END = "<!-- deep_shallow table: end -->"
+CELLS_CSV, SHAPES_CSV = "deploy_speed_cells.csv", "deploy_speed_shapes.csv"
+FIGURE = "deep_shallow_speed_quality.png"
+BLEU_MARGIN = 0.5
+PLUGIN, CT2 = "fairseq + plugin", "CTranslate2"
+#: the speed the figure and the "fastest" line use: CTranslate2 int8, batch 64, 1 thread; for
+#: a scheme that cannot be exported, fairseq-generate with the plugin at the same batch/threads
+X_SPEED = (CT2, "int8", "64", "1")
+X_FALLBACK = (PLUGIN, "float32", "64", "1")
+X_LABEL = "CTranslate2 int8, batch 64, 1 thread"
+COMMANDS = [
+    # the study itself, keeping each run's checkpoint_best.pt for the speed run
+    "python benchmarks/depth_study.py --plan deep-shallow --out runs/depth_study --threads 1 "
+    "--jobs 2 --keep-checkpoints",
+    "python benchmarks/deploy_speed.py --study-out runs/depth_study --plan deep-shallow "
+    "--csv docs/deploy_speed_cells.csv",
+    "python benchmarks/deploy_speed.py --wmt-shapes --text runs/depth_study/data/spm "
+    "--csv docs/deploy_speed_shapes.csv",
+    "python benchmarks/depth_study.py --plan deep-shallow --out runs/depth_study "
+    "--report-only --publish docs",
+]
+
+
+def plan_args(plan: str) -> argparse.Namespace:
+    """The recipe a plan's runs were keyed with: the demo preset, the plan's own recipe,
+    the study's defaults for the rest (``depth_study.py`` without extra flags)."""
+    recipe = dict(PRESETS["demo"], **PLAN_RECIPES.get(plan, {}))
+    return argparse.Namespace(**recipe, dropout=0.1, vocab=8000, clip_norm=0.0)
+
+
+#: the issue's order of the shapes (others after them, by total depth)
+SHAPES = ("6L-6L", "12L-3L", "12L-1L", "24L-1L", "48L-1L")
+
+
+def plan_cells(plan: str):
+    """``(scheme, depth, positions)`` of the plan, each once: shapes in the issue's order,
+    schemes in the plan's order."""
+    cells = list(dict.fromkeys((s, d, p) for s, d, _, p in PLANS[plan]))
+    schemes = list(dict.fromkeys(c[0] for c in cells))
+    return sorted(cells, key=lambda c: (_shape_order(c[1]), schemes.index(c[0])))
+
+
+def _shape_order(depth: str):
+    enc, dec = (int(x.rstrip("L")) for x in depth.split("-"))
+    return (SHAPES.index(depth) if depth in SHAPES else len(SHAPES), enc + dec, enc)
+
+
+def cell_rows(rows, plan: str = PLAN, cells=None):
+    """``{(scheme, depth, positions): [rows of the plan's recipe, by seed]}`` for every cell
+    of ``cells`` (default: the plan's); a cell without rows maps to ``[]``."""
+    args = plan_args(plan)
+    cells = plan_cells(plan) if cells is None else cells
+    by_key = {r["key"]: r for r in rows}
+    out = {}
+    for scheme, depth, pos in cells:
+        found = [r for r in by_key.values() if r["scheme"] == scheme and r["depth"] == depth
+                 and r["positions"] == pos
+                 and r["key"] == run_key(scheme, depth, r["seed"], args, pos)]
+        out[scheme, depth, pos] = sorted(found, key=lambda r: int(r["seed"]))
+    return out
+
+
+def _finite(values):
+    out = []
+    for v in values:
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(x):
+            out.append(x)
+    return out
+
+
+def mean_std(values):
+    """``(mean, sample std or None, n)`` of the finite values; ``(None, None, 0)`` without."""
+    xs = _finite(values)
+    if not xs:
+        return None, None, 0
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else None), len(xs)
+
+
+def fmt_mean(values, nd: int) -> str:
+    m, s, n = mean_std(values)
+    if m is None:
+        return "-"
+    return f"{m:.{nd}f}" + (f" +- {s:.{nd}f}" if s is not None else "")
+
+
+def failures(rs) -> str:
+    """The runs that did not train, by status (``none`` when every run trained)."""
+    bad = Counter(r["status"] for r in rs if r["status"] != "trained")
+    return ", ".join(f"{n} {st}" for st, n in sorted(bad.items())) or "none"
+
+
+def read_speed(path: Path):
+    """``{(kind, scheme, shape, engine, precision, batch, threads): row}`` of a deploy-speed
+    CSV ({} without the file)."""
+    if not path.is_file():
+        return {}
+    with open(path, newline="") as fh:
+        return {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
+                 r["threads"]): r for r in csv.DictReader(fh)}
+
+
+def cell_speed(speed, scheme: str, shape: str):
+    """``(sentences/s, the engine key used)`` for the figure and the fastest line: X_SPEED,
+    else X_FALLBACK (a scheme the export refuses); ``(None, None)`` without either."""
+    for key in (X_SPEED, X_FALLBACK):
+        r = speed.get(("cells", scheme, shape, *key))
+        if r is not None:
+            return float(r["sentences_per_s"]), key
+    return None, None
+
+
+def fastest_line(groups, speed) -> str:
+    """The fastest cell (by :func:`cell_speed`) whose mean BLEU is within BLEU_MARGIN of the
+    best cell's mean BLEU, with its speed ratio to 6L-6L of the same scheme."""
+    means = {c: mean_std(r["bleu"] for r in rs)[0] for c, rs in groups.items()}
+    means = {c: m for c, m in means.items() if m is not None}
+    if not means:
+        return "No cell has a BLEU score yet."
+    best = max(means, key=lambda c: means[c])
+    near = [c for c in means if means[c] >= means[best] - BLEU_MARGIN]
+    timed = [(cell_speed(speed, c[0], c[1]), c) for c in near]
+    timed = [(x, key, c) for (x, key), c in timed if x is not None]
+    head = (f"Best model of the study (mean BLEU over seeds): {best[0]} {best[1]}, "
+            f"{means[best]:.2f}. ")
+    if not timed:
+        return head + (f"None of the {len(near)} cells within {BLEU_MARGIN} BLEU of it has a "
+                       "deployed speed yet, so no fastest model is named.")
+    x, key, c = max(timed, key=lambda t: t[0])
+    base, base_key = cell_speed(speed, c[0], "6L-6L")
+    how = _engine_label(key)
+    if base is None:
+        ratio = f"{c[0]} 6L-6L has no deployed speed, so no ratio is given"
+    elif base_key != key:
+        ratio = f"{c[0]} 6L-6L was timed with another engine, so no ratio is given"
+    else:
+        ratio = f"{x / base:.2f} times the speed of {c[0]} 6L-6L ({base:.1f} sentences/s)"
+    return (head + f"Fastest within {BLEU_MARGIN} BLEU of it ({len(near)} cells qualify, "
+            f"{len(timed)} of them timed): **{c[0]} {c[1]}**, mean BLEU {means[c]:.2f}, "
+            f"{x:.1f} sentences/s ({how}), {ratio}.")
+
+
+def _engine_label(key) -> str:
+    engine, precision, batch, threads = key
+    name = f"CTranslate2 {precision}" if engine == CT2 else "fairseq-generate with the plugin"
+    return f"{name}, batch {batch}, {threads} thread{'s' if threads != '1' else ''}"
+
+
+def _speed_table(rows):
+    """One line per (shape, scheme, engine, precision): sentences/s at batch 64 and ms per
+    sentence at batch 1 for each thread count, and the batch-64 1-thread ratio to 6L-6L."""
+    threads = sorted({r["threads"] for r in rows}, key=int)
+    cols = [f"batch 64, {t} thr: sent/s" for t in threads] + \
+           [f"batch 1, {t} thr: ms/sent" for t in threads]
+    lines = ["| shape | scheme | seed | engine | " + " | ".join(cols) +
+             " | ratio to 6L-6L (batch 64, 1 thr) |",
+             "|---|---|---|---|" + "---:|" * (len(cols) + 1)]
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["scheme"], r["engine"], r["precision"]), {})[
+            r["batch"], r["threads"]] = r
+    order = lambda k: (_shape_order(k[0]), k[1], k[2] != PLUGIN, k[3])  # noqa: E731
+    for (shape, scheme, engine, precision), g in sorted(groups.items(), key=lambda kv:
+                                                        order(kv[0])):
+        any_row = next(iter(g.values()))
+        vals = [g.get(("64", t)) for t in threads] + [g.get(("1", t)) for t in threads]
+        cells = [f"{float(v['sentences_per_s']):.1f}" if v and i < len(threads) else
+                 f"{float(v['ms_per_sentence']):.2f}" if v else "-" for i, v in enumerate(vals)]
+        base = g.get(("64", "1"))
+        label = f"{engine} {precision}" if engine == CT2 else "fairseq + plugin"
+        seed = any_row["seed"] or "-"
+        if any_row.get("train_status") not in (None, "", "trained", "untrained"):
+            seed += f" ({any_row['train_status']})"  # no seed of the cell trained
+        lines.append(f"| {shape} | {scheme} | {seed} | {label} | "
+                     + " | ".join(cells) + f" | {(base or {}).get('ratio_to_6l6l') or '-'} |")
+    return lines
+
+
+def block(groups, speed_rows, shape_rows, figure: bool) -> str:
+    """The markdown between the markers."""
+    speed = {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
+              r["threads"]): r for r in speed_rows}
+    n_runs = sum(len(rs) for rs in groups.values())
+    n_planned = len(PLANS[PLAN])
+    lines = [f"`--plan {PLAN}` (demo recipe; sacreBLEU on test2016, beam 4): {n_runs} of "
+             f"{n_planned} planned runs recorded. BLEU and best valid nll: mean +- sample "
+             "std over the seeds recorded; failures: runs whose status is not `trained`. "
+             f"Deployed: sentences/s of the cell's timed model, {X_LABEL} "
+             "(fairseq-generate with the plugin, batch 64, 1 thread, where the scheme cannot "
+             "be exported).", "",
+             "| shape | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
+             "deployed sentences/s | ratio to 6L-6L |",
+             "|---|---|---|---:|---|---|---|---:|---:|"]
+    for (scheme, depth, _pos), rs in groups.items():
+        x, key = cell_speed(speed, scheme, depth)
+        base, base_key = cell_speed(speed, scheme, "6L-6L")
+        shown = "-" if x is None else f"{x:.1f}" + ("" if key == X_SPEED else " (plugin)")
+        ratio = f"{x / base:.2f}" if x is not None and base and key == base_key else "-"
+        if not rs:
+            lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | {shown} | "
+                         f"{ratio} |")
+            continue
+        lines.append(f"| {depth} | {scheme} | {','.join(r['seed'] for r in rs)} | {len(rs)} | "
+                     f"{fmt_mean([r['bleu'] for r in rs], 2)} | "
+                     f"{fmt_mean([r['best_valid_nll'] for r in rs], 3)} | {failures(rs)} | "
+                     f"{shown} | {ratio} |")
+    lines += ["", fastest_line(groups, speed), ""]
+    if speed_rows:
+        cpu = sorted({r["cpu"] for r in speed_rows})
+        refused = sorted({f"{r['scheme']} ({r['note']})" for r in speed_rows
+                          if r["engine"] == PLUGIN and "not exported" in r["note"]})
+        lines += ["Deployed speed of every cell (one seed's model each; test2016, beam 4, "
+                  f"length penalty 0.6, median of {speed_rows[0]['rounds']} rounds in rotating "
+                  f"order; {'; '.join(cpu)}):", ""] + _speed_table(speed_rows)
+        if refused:
+            lines += ["", "Plugin speed only (CTranslate2 export refused): " +
+                      "; ".join(refused) + "."]
+        if figure:
+            lines += ["", f"![speed against BLEU]({FIGURE}) x: {X_LABEL} (plugin where the "
+                      "scheme cannot be exported; log scale); y: mean BLEU over seeds, error "
+                      "bars one sample std."]
+    else:
+        lines += ["Deployed speed: not measured yet (`" + COMMANDS[1] + "`)."]
+    if shape_rows:
+        lines += ["", "The same shapes at WMT base width (d 512, FFN 2048, 8 heads, a joined "
+                  f"vocabulary of {shape_rows[0]['vocab']} symbols), CTranslate2: **untrained "
+                  "models with the output length held to each sentence's reference length** "
+                  "(min = max decoding length; the synthetic vocabulary and inputs are described "
+                  "in benchmarks/deployspeed/shapes.py), so the figures are the cost of the "
+                  "shape and not of what a model emits; batches hold one output length (mean "
+                  "size at batch 64: "
+                  f"{next((r['mean_batch'] for r in shape_rows if r['batch'] == '64'), '-')}). "
+                  f"{'; '.join(sorted({r['cpu'] for r in shape_rows}))}:", ""]
+        lines += _speed_table(shape_rows)
+    lines += ["", "Reproduce (the study, then the two speed runs, then this block):", "",
+              "```bash"] + COMMANDS + ["```"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_points(groups, speed_rows):
+    """One point per cell with a BLEU and a speed: x the speed of :func:`cell_speed`, y the
+    mean BLEU, yerr its sample std (0 for one seed)."""
+    speed = {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
+              r["threads"]): r for r in speed_rows}
+    points = []
+    for (scheme, depth, _pos), rs in groups.items():
+        m, s, n = mean_std(r["bleu"] for r in rs)
+        x, key = cell_speed(speed, scheme, depth)
+        if m is None or x is None:
+            continue
+        points.append(dict(scheme=scheme, shape=depth, x=x, y=m, yerr=s or 0.0, n=n,
+                           exported=key == X_SPEED))
+    return points
+
+
+def fill_block(text: str, rows, dest: Path, log=print) -> str:
+    """``text`` (results.md) with the deep-shallow block rewritten from ``rows`` and the
+    speed CSVs in ``dest`` (and the figure drawn there); unchanged without the markers or
+    without a row of the plan."""
+    if START not in text or END not in text:
+        return text
+    groups = cell_rows(rows)
+    if not any(groups.values()):
+        log(f"no rows of --plan {PLAN} yet: the deep-shallow block is left as it is")
+        return text
+    speed_rows = [r for r in read_speed(dest / CELLS_CSV).values() if r["kind"] == "cells"]
+    shape_rows = list(read_speed(dest / SHAPES_CSV).values())
+    figure = False
+    if speed_rows:
+        from .plot import write_speed_quality_plot
+
+        figure = write_speed_quality_plot(plot_points(groups, speed_rows), dest / FIGURE,
+                                          X_LABEL)
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    log(f"deep-shallow block: {sum(len(v) for v in groups.values())} runs"
+        + (f", figure {dest / FIGURE}" if figure else ""))
+    return f"{head}{START}\n{block(groups, speed_rows, shape_rows, figure)}{END}{tail}"
