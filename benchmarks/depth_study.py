@@ -248,7 +248,10 @@ def main(argv=None):
                      f"{', '.join(POSITIONS)}")
     depths = [d.strip() for d in args.depths.split(",") if d.strip()]
     for d in depths:
-        parse_depth(d)
+        try:
+            parse_depth(d)
+        except SystemExit as err:  # one argparse line, exit status 2
+            parser.error(str(err))
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:

@@ -307,3 +307,14 @@ def test_deep_shallow_plan_with_bad_data_is_one_line_and_leaves_nothing(tmp_path
     assert proc.stderr.splitlines() == [f"depth_study.py: error: {want}"]
     assert proc.stdout == ""
     assert not out.exists() and sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("depth", ["12L-0L", "0L-1L", "12-1"])
+def test_bad_depth_is_an_error_naming_the_flag_and_leaves_nothing(tmp_path, depth):
+    out = tmp_path / "out"
+    proc = study("--depths", depth, "--out", out, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"depth_study.py: error: --depths: {depth!r} is not of the form <enc>L-<dec>L with at "
+        "least one layer per side, e.g. 6L-6L, 12L-12L, 24L-1L")
+    assert not out.exists()

@@ -68,7 +68,8 @@ def parse_depth(depth: str):
     m = re.fullmatch(r"(\d+)L-(\d+)L", depth)
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise SystemExit(
-            f"--depths: {depth!r} is not of the form <enc>L-<dec>L, e.g. 6L-6L, 12L-12L, 24L-4L"
+            f"--depths: {depth!r} is not of the form <enc>L-<dec>L with at least one layer "
+            "per side, e.g. 6L-6L, 12L-12L, 24L-1L"
         )
     return int(m.group(1)), int(m.group(2))
 
