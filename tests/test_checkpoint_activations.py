@@ -22,6 +22,9 @@ SCHEMES = {
     "rezero-post-ln": ["--admin-residual", "rezero-post-ln"],
     "b2t": ["--admin-residual", "b2t"],
     "resi-dual": ["--admin-residual", "resi-dual"],  # the dual stream crosses each checkpoint
+    # issue 39: the LayerNorm placements (Mix-LN: 1 Post-LN + 2 Pre-LN encoder layers) and DyT
+    "peri-ln-dyt": ["--admin-residual", "peri-ln", "--admin-norm", "dyt"],
+    "mix-ln": ["--admin-residual", "mix-ln", "--mix-ln-alpha", "0.34"],
 }
 MEMORY = {"plain": [], "checkpoint": ["--checkpoint-activations"],
           "offload": ["--offload-activations"]}  # fairseq: offload implies checkpointing
