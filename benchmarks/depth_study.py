@@ -103,8 +103,9 @@ from depthstudy.omegas import init_omegas, variant_omegas  # noqa: E402,F401
 from depthstudy.plan import (_DEEP_ENC, PLAN_RECIPES, PLANS, POSITIONS,  # noqa: E402,F401
                              PRESETS, QUICK, SCHEMES, run_key, study_name)
 from depthstudy.plot import plotted_study, write_omega_plot, write_plot  # noqa: E402,F401
+from depthstudy.publish import publish  # noqa: E402,F401
 from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START, append_row,  # noqa: E402,F401
-                               distinct_translations, publish, read_rows, write_table)
+                               distinct_translations, read_rows, write_table)
 from depthstudy.runner import (backfill, claim, final_shortcuts, generate,  # noqa: E402,F401
                                one_run, run_grid, train_command, unsupported_flags)
 

@@ -9,7 +9,7 @@
 * ``--wmt-shapes --quick``: every output of CTranslate2 has exactly the requested length
   (checked on a trained model whose own outputs are shorter and longer than requested, and
   through the whole mode), and batches never mix lengths;
-* ``depth_study.py``'s publish (``report.publish``) on hand-made rows: the deep-shallow block
+* ``depth_study.py``'s publish (``publish.publish``) on hand-made rows: the deep-shallow block
   with means and sample stds recomputed here with ``statistics``, the "fastest within 0.5
   BLEU" line of a constructed case, the figure; and nothing changed without the plan's rows.
 """
@@ -314,7 +314,7 @@ def publish_case(tmp_path, with_speed=True, rows=True):
             w.writeheader()
             w.writerows([speed_row("wmt-shapes", "admin", s, "CTranslate2", "int8", x)
                          for s, x in (("6L-6L", 20.0), ("12L-1L", 35.0))])
-    from depthstudy.report import publish
+    from depthstudy.publish import publish
 
     publish(out, docs)
     text = (docs / "results.md").read_text()

@@ -3,7 +3,7 @@ seeds, failures), their deployed speed (``benchmarks/deploy_speed.py --study-out
 untrained WMT-base shapes' speed (``--wmt-shapes``), the speed-quality figure and the line
 naming the fastest model within 0.5 BLEU of the best.
 
-``--publish DIR`` (``report.publish``) calls :func:`fill_block`: the block between
+``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
 :data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when the plan has rows, and
 left as it is otherwise (also when the page lacks the markers). The speed parts and the figure
 ``DIR/deep_shallow_speed_quality.png`` need ``DIR/deploy_speed_cells.csv``; the WMT shapes
