@@ -229,3 +229,21 @@ def write_fake_multi30k(folder, gz=True):
                     fh.write(text)
             else:
                 (folder / f"{split}.{lang}").write_text(text, encoding="utf-8")
+
+
+# -- one-line errors (fairseq_admin_pos/fairseq_fixes/flag_errors.py) -------------------
+
+
+def assert_one_line_error(proc, prog: str, message: str) -> None:
+    """Exit status 2, the message as the last line of stderr, the only error line, no
+    traceback."""
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], err[-4000:])
+    assert "Traceback" not in err, err[-4000:]
+    lines = err.strip().splitlines()
+    assert lines[-1] == f"{prog}: error: {message}"
+    assert sum(": error: " in line for line in lines) == 1, err[-4000:]
+
+
+def files_under(folder: Path):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else None

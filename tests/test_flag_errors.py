@@ -24,7 +24,9 @@ from fairseq_cli_utils import (
     TINY_MODEL,
     TRAIN_COMMON,
     USER_DIR,
+    assert_one_line_error,
     env,
+    files_under,
     free_port,
     generate,
     run,
@@ -215,21 +217,6 @@ HYDRA_CASES = {
                     "model.admin_norm='rmsnorm' (--admin-norm) is not valid; valid choices: "
                     "layernorm, dyt"),
 }
-
-
-def assert_one_line_error(proc, prog: str, message: str) -> None:
-    """Exit status 2, the message as the last line of stderr, the only error line, no
-    traceback."""
-    err = proc.stderr
-    assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], err[-4000:])
-    assert "Traceback" not in err, err[-4000:]
-    lines = err.strip().splitlines()
-    assert lines[-1] == f"{prog}: error: {message}"
-    assert sum(": error: " in line for line in lines) == 1, err[-4000:]
-
-
-def files_under(folder: Path):
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) if folder.exists() else None
 
 
 @pytest.mark.parametrize("extra,message", list(TRAIN_CASES.values()), ids=list(TRAIN_CASES))

@@ -16,8 +16,7 @@ import json
 
 import pytest
 
-from fairseq_cli_utils import TINY_MODEL, train
-from test_flag_errors import assert_one_line_error, files_under
+from fairseq_cli_utils import TINY_MODEL, assert_one_line_error, files_under, train
 from fairseq_admin_pos import profiling
 
 PROFILE = ["--admin-init", "profile"]

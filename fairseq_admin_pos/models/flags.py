@@ -206,16 +206,16 @@ def check_compile_flags(args) -> None:
         )
 
 
+def pre_ln_flags(args) -> list:
+    """The ``--*-normalize-before`` (Pre-LN) flags given, in flag order."""
+    return [flag for flag, key in (("--encoder-normalize-before", "encoder_normalize_before"),
+                                   ("--decoder-normalize-before", "decoder_normalize_before"))
+            if getattr(args, key, False)]
+
+
 def check_normalize_before(args) -> None:
     """Pre-LN with Admin omegas is not a published configuration: refuse it clearly."""
-    pre_ln = [
-        flag
-        for flag, on in (
-            ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
-            ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
-        )
-        if on
-    ]
+    pre_ln = pre_ln_flags(args)
     if pre_ln and args.admin_init != "none":
         raise AdminFlagError(
             f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-init "
@@ -251,14 +251,7 @@ def check_residual_scheme(args) -> None:
             "always trained, B2T and ResiDual add the plain shortcut x); valid with "
             f"{scheme}: --admin-omega buffer (the default; drop --admin-omega)"
         )
-    pre_ln = [
-        flag
-        for flag, on in (
-            ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
-            ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
-        )
-        if on
-    ]
+    pre_ln = pre_ln_flags(args)
     if pre_ln:
         kind = "has no sub-layer LayerNorm" if scheme == "rezero" else "is a Post-LN scheme"
         raise AdminFlagError(
@@ -291,10 +284,7 @@ def _check_placement_scheme(args, scheme: str) -> None:
             f"to --admin-residual {scheme} (the plain shortcut x); valid with {scheme}: "
             "--admin-omega buffer (the default; drop --admin-omega)"
         )
-    pre_ln = [flag for flag, on in (
-        ("--encoder-normalize-before", getattr(args, "encoder_normalize_before", False)),
-        ("--decoder-normalize-before", getattr(args, "decoder_normalize_before", False)),
-    ) if on]
+    pre_ln = pre_ln_flags(args)
     if pre_ln:
         raise AdminFlagError(
             f"{' and '.join(pre_ln)} (Pre-LN) cannot be combined with --admin-residual "
