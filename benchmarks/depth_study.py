@@ -96,6 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from depthstudy.common import (REPO, USER_DIR, cpu_name, fairseq_env, log,  # noqa: E402,F401
                                parse_depth, relative, run_checked, show)
 from depthstudy.deepshallow import END as DS_END, START as DS_START  # noqa: E402
+from depthstudy.norms2025 import END as NS_END, START as NS_START  # noqa: E402
 from depthstudy.data import (LANGS, SPLITS, SRC, TGT, check_data, prepare_data,  # noqa: E402,F401
                              unigram_entropy_bits)
 from depthstudy.logs import LOG_RE, classify, parse_curve  # noqa: E402,F401
@@ -211,7 +212,11 @@ def build_parser():
                         "their deployed speed from DIR/deploy_speed_cells.csv and "
                         "DIR/deploy_speed_shapes.csv of benchmarks/deploy_speed.py, the "
                         "fastest model within 0.5 BLEU of the best) and, with the cells' "
-                        "speed, DIR/deep_shallow_speed_quality.png")
+                        "speed, DIR/deep_shallow_speed_quality.png; likewise between "
+                        f"{NS_START!r} and {NS_END!r} when --plan norms-2025's schemes have "
+                        "rows: those cells next to admin, pre-ln and post-ln at the same "
+                        "depths, and the training speed of DIR/speed_norms_2025*.json "
+                        "(benchmarks/speed_vs_stock.py --json)")
     p.add_argument("--verbose", action="store_true", help="echo fairseq-train's log")
     return p
 

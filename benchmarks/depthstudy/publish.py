@@ -1,8 +1,9 @@
 """``--publish DIR``: the study's rows, figures and tables copied into the docs folder.
 
-Above the parts it gathers (imports flow one way: report <- plot <- deepshallow <- publish):
-the CSV and the curves (:mod:`.report`), the figures (:mod:`.plot`), the depth-study table
-block of ``results.md`` and issue 41's deep-shallow block (:mod:`.deepshallow`).
+Above the parts it gathers (imports flow one way: report <- plot <- deepshallow <- norms2025
+<- publish): the CSV and the curves (:mod:`.report`), the figures (:mod:`.plot`), the
+depth-study table block of ``results.md``, issue 41's deep-shallow block (:mod:`.deepshallow`)
+and issue 39's norms-2025 block (:mod:`.norms2025`).
 """
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import shutil
 from pathlib import Path
 
 from .common import log
-from .deepshallow import fill_block
+from . import deepshallow, norms2025
 from .report import CSV_FIELDS, TABLE_END, TABLE_START, published_curve, read_rows
 
 
 def publish(out: Path, dest: Path) -> None:
     """Copy the CSV and figure into ``dest`` and refresh the table block of results.md, and
-    the deep-shallow block (``depthstudy.deepshallow.fill_block``) where the page has one."""
+    the deep-shallow and norms-2025 blocks (``deepshallow.fill_block``,
+    ``norms2025.fill_block``) where the page has them."""
     page = dest / "results.md"
     if not page.is_file():
         raise SystemExit(f"--publish {dest}: {page} does not exist")
@@ -44,5 +46,8 @@ def publish(out: Path, dest: Path) -> None:
     text = f"{head}{TABLE_START}\n{table}{TABLE_END}{tail}"
     # issue 41: the deep-shallow cells with their deployed speed (benchmarks/deploy_speed.py's
     # CSVs in dest) and the speed-quality figure, where the page has that block's markers
-    page.write_text(fill_block(text, rows, dest, log))
+    text = deepshallow.fill_block(text, rows, dest, log)
+    # issue 39: the new placements and DyT against Admin at depth, with their training speed
+    # (benchmarks/speed_vs_stock.py's JSON files in dest)
+    page.write_text(norms2025.fill_block(text, rows, dest, log))
     log(f"published to {page}, {dest/'depth_study_results.csv'}, {dest/'depth_study_loss.png'}")

@@ -1,0 +1,149 @@
+"""Issue 39's answer in the docs: Peri-LN, Mix-LN and DyT (in Post-, Pre-, Peri- and Mix-LN)
+next to Admin, Pre-LN and Post-LN on the study's deep cells (24L-3L, 12L-12L), and their
+training speed against stock.
+
+``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
+:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when ``--plan norms-2025``
+has a row, and left as it is otherwise (also when the page lacks the markers). Every figure
+in the block is computed here from the rows and from the JSON files that
+``benchmarks/speed_vs_stock.py --json DIR/speed_norms_2025_<name>.json`` writes (one table
+per file: words/s of each variant over stock's and over Pre-LN's, measured in one run).
+
+The baselines are the demo-scale study's rows with the same recipe (a row already in
+``results.csv`` is not run again), so ``admin`` is shown although the plan has no admin run:
+the question the issue asks is where each new scheme stands against Admin at depth.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .deepshallow import cell_rows, failures, fmt_mean, mean_std
+from .plan import PLANS
+
+PLAN = "norms-2025"
+START = "<!-- norms_2025 table: start -->"
+END = "<!-- norms_2025 table: end -->"
+SPEED_GLOB = "speed_norms_2025*.json"
+#: shown first at each depth: the scheme the others are compared with, then the placements
+#: the new ones sit between
+BASELINES = ("admin", "pre-ln", "post-ln")
+COMMANDS = [
+    "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study --threads 1 "
+    "--jobs 2",
+    "python benchmarks/speed_vs_stock.py --data runs/depth_study/data/bin --preset tiny "
+    "--variants admin,pre-ln,peri-ln,mix-ln,pre-ln-dyt --json docs/speed_norms_2025_tiny.json",
+    "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study "
+    "--report-only --publish docs",
+]
+
+
+def plan_cells():
+    """``(scheme, depth, positions)``: per depth of the plan (its order), the baselines, then
+    the plan's other schemes in its order."""
+    plan = PLANS[PLAN]
+    depths = list(dict.fromkeys(d for _, d, _, _ in plan))
+    schemes = list(BASELINES) + [s for s in dict.fromkeys(s for s, _, _, _ in plan)
+                                 if s not in BASELINES]
+    return [(s, d, "sinusoidal") for d in depths for s in schemes]
+
+
+def _speed_tables(files):
+    """A table per speed JSON: words/s over stock and over Pre-LN for each variant and
+    depth, from the file's own figures."""
+    lines = []
+    for path in files:
+        summary = json.loads(path.read_text())
+        hw, s = summary["hardware"], summary["settings"]
+        where = (f"{hw.get('gpu')}" if summary["device"] == "cuda" else
+                 f"{hw['cpu']}, {hw['cores']} cores, {s['threads']} thread(s)")
+        lines += ["", f"Training speed (`{path.name}`; {where}, torch {hw['torch']}; d={s['dim']},"
+                  f" max-tokens {s['max_tokens']}, {s['steps']} timed steps, medians; "
+                  "fairseq's Trainer on the same batches):", "",
+                  "| dtype | depth | variant | words/s | x stock | x pre-ln |",
+                  "|---|---|---|---:|---:|---:|"]
+        for res in summary["results"]:
+            for layers in sorted({r["layers"] for r in res["rows"]}):
+                rows = {r["variant"]: r for r in res["rows"] if r["layers"] == layers}
+                stock, pre = rows.get("stock"), rows.get("pre-ln")
+                for name, r in rows.items():
+                    x = r["words_per_s"]
+                    over = [f"{x / b['words_per_s']:.3f}" if b and x and b["words_per_s"]
+                            else "-" for b in (stock, pre)]
+                    lines.append(f"| {res['dtype']} | {layers}L-{layers}L | {name} | "
+                                 f"{x:,.0f} | {over[0]} | {over[1]} |")
+    return lines
+
+
+def _standing(groups, depth):
+    """Per depth: the schemes with a BLEU, best first, each with its mean's distance to
+    Admin's."""
+    means = {s: mean_std(r["bleu"] for r in rs) for (s, d, _), rs in groups.items()
+             if d == depth}
+    ranked = sorted(((m, s) for s, (m, _, _) in means.items() if m is not None), reverse=True)
+    if not ranked:
+        return None
+    admin = means.get("admin", (None,))[0]
+    parts = [f"{s} {m:.2f}" + (f" ({m - admin:+.2f})" if admin is not None and s != "admin"
+                               else "") for m, s in ranked]
+    return f"- {depth}, by mean BLEU (difference to admin's mean): " + ", ".join(parts) + "."
+
+
+def block(groups, speed_files) -> str:
+    """The markdown between the markers."""
+    planned = set((s, d, seed) for s, d, seed, _ in PLANS[PLAN])
+    n_plan = sum(1 for (s, d, _), rs in groups.items() for r in rs
+                 if (s, d, int(r["seed"])) in planned)
+    lines = [f"`--plan {PLAN}` (demo recipe: d=128, 700 updates, lr 2e-3, warmup 400; "
+             f"sacreBLEU on test2016, beam 4): {n_plan} of {len(PLANS[PLAN])} planned runs "
+             "recorded; admin's rows (and pre-ln's, post-ln's where they exist) are the "
+             "demo-scale study's runs with the same recipe. BLEU and best valid nll: mean +- "
+             "sample std over the seeds recorded; failures: runs whose status is not `trained`;"
+             " vs admin: the difference of the mean BLEU to admin's at the same depth.", "",
+             "| depth | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
+             "vs admin (BLEU) |", "|---|---|---|---:|---|---|---|---:|"]
+    admin_mean = {d: mean_std(r["bleu"] for r in rs)[0] for (s, d, _), rs in groups.items()
+                  if s == "admin"}
+    for (scheme, depth, _pos), rs in groups.items():
+        if not rs:
+            lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | - |")
+            continue
+        m = mean_std(r["bleu"] for r in rs)[0]
+        base = admin_mean.get(depth)
+        vs = "-" if scheme == "admin" or m is None or base is None else f"{m - base:+.2f}"
+        lines.append(f"| {depth} | {scheme} | {','.join(r['seed'] for r in rs)} | {len(rs)} | "
+                     f"{fmt_mean([r['bleu'] for r in rs], 2)} | "
+                     f"{fmt_mean([r['best_valid_nll'] for r in rs], 3)} | {failures(rs)} | "
+                     f"{vs} |")
+    depths = list(dict.fromkeys(d for _, d, _ in groups))
+    standing = [line for line in (_standing(groups, d) for d in depths) if line]
+    if standing:
+        lines += ["", "Standing (computed from the table; a difference smaller than the cells' "
+                  "seed std is not a ranking):", ""] + standing
+    if speed_files:
+        lines += _speed_tables(speed_files)
+    else:
+        lines += ["", "Training speed: no `speed_norms_2025*.json` next to this page yet (`"
+                  + COMMANDS[1] + "`)."]
+    lines += ["", "Reproduce (the study, the speed run, then this block):", "", "```bash"] + \
+        COMMANDS + ["```"]
+    return "\n".join(lines) + "\n"
+
+
+def fill_block(text: str, rows, dest: Path, log=print) -> str:
+    """``text`` (results.md) with the norms-2025 block rewritten from ``rows`` and the speed
+    JSON files in ``dest``; unchanged without the markers or without a run of the plan's own
+    schemes."""
+    if START not in text or END not in text:
+        return text
+    groups = cell_rows(rows, PLAN, plan_cells())
+    own = {s for s, _, _, _ in PLANS[PLAN]} - set(BASELINES)
+    if not any(rs for (s, _, _), rs in groups.items() if s in own):
+        log(f"no rows of --plan {PLAN}'s schemes yet: the norms-2025 block is left as it is")
+        return text
+    speed_files = sorted(dest.glob(SPEED_GLOB))
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    log(f"norms-2025 block: {sum(len(v) for v in groups.values())} runs, "
+        f"{len(speed_files)} speed file(s)")
+    return f"{head}{START}\n{block(groups, speed_files)}{END}{tail}"
