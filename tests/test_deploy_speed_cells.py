@@ -271,6 +271,11 @@ SPEED = {("admin", "6L-6L"): 200.0, ("admin", "12L-3L"): 250.0, ("admin", "12L-1
          ("admin", "24L-1L"): 500.0, ("pre-ln", "48L-1L"): 900.0}
 
 
+def distinct(seed, status):
+    """The hand-made rows' count of different test translations."""
+    return 1000 - seed if status == "trained" else 3 + seed
+
+
 def speed_row(kind, scheme, shape, engine, precision, sps, batch="64", threads="1"):
     return dict(kind=kind, shape=shape, scheme=scheme, seed="1", engine=engine,
                 precision=precision, batch=batch, threads=threads, sentences="1000",
@@ -293,7 +298,8 @@ def publish_case(tmp_path, with_speed=True, rows=True):
             table.append(dict(key=recipe_key(scheme, shape, seed), study="d128-700upd",
                               scheme=scheme, positions="sinusoidal", depth=shape, seed=seed,
                               status=status, bleu=f"{bleu:.2f}", best_valid_nll=f"{nll:.3f}",
-                              embed_dim=128, max_update=700, lr="0.002", warmup=400))
+                              distinct_hyps=distinct(seed, status), embed_dim=128,
+                              max_update=700, lr="0.002", warmup=400))
     # a row of another plan's recipe (lr 1e-3) must not be counted
     table.append(dict(key=recipe_key("admin", "6L-6L", 1).replace("lr0.002", "lr0.001"),
                       study="d128-700upd", scheme="admin", positions="sinusoidal",
@@ -336,6 +342,9 @@ def test_publish_writes_the_cells_with_means_and_stds(tmp_path, bench):
         seeds = ",".join(str(r[0]) for r in runs)
         line = f"| {shape} | {scheme} | {seeds} | {len(runs)} | {bleu} | {nll} | {fails} |"
         assert line in block, line
+        # the last column: the fewest different translations over the cell's seeds
+        full = next(x for x in block.splitlines() if x.startswith(line))
+        assert full.endswith(f"| {min(distinct(r[0], r[1]) for r in runs)} |"), full
     # every cell of the plan is listed, run or not; the lr 1e-3 row is not counted
     assert "| 48L-1L | admin | - | 0 | not run yet |" in block
     assert "40.00" not in block

@@ -16,16 +16,16 @@ PAGE = ("# page\n\n<!-- depth_study table: start -->\nold\n<!-- depth_study tabl
         "## Peri-LN, Mix-LN and DyT\n\n<!-- norms_2025 table: start -->\nplaceholder\n"
         "<!-- norms_2025 table: end -->\n\nafter\n")
 
-# (scheme, depth): [(seed, status, bleu, best valid nll)]
+# (scheme, depth): [(seed, status, bleu, best valid nll, distinct translations)]
 CELLS = {
-    ("admin", "24L-3L"): [(1, "trained", 25.5, 3.72), (2, "trained", 21.8, 3.89),
-                          (3, "trained", 25.2, 3.74)],
-    ("pre-ln", "24L-3L"): [(1, "trained", 22.9, 3.88), (2, "trained", 21.2, 3.95)],
-    ("post-ln", "24L-3L"): [(1, "stuck", 2.5, 5.10)],
-    ("peri-ln", "24L-3L"): [(1, "trained", 24.0, 3.80), (2, "trained", 23.1, 3.85)],
-    ("pre-ln-dyt", "24L-3L"): [(1, "diverged", 0.3, 7.90)],
-    ("admin", "12L-12L"): [(1, "trained", 30.7, 3.29)],
-    ("mix-ln", "12L-12L"): [(2, "trained", 29.0, 3.40)],
+    ("admin", "24L-3L"): [(1, "trained", 25.5, 3.72, 999), (2, "trained", 21.8, 3.89, 998),
+                          (3, "trained", 25.2, 3.74, 1000)],
+    ("pre-ln", "24L-3L"): [(1, "trained", 22.9, 3.88, 997), (2, "trained", 21.2, 3.95, 999)],
+    ("post-ln", "24L-3L"): [(1, "trained", 2.5, 5.10, 1)],
+    ("peri-ln", "24L-3L"): [(1, "trained", 24.0, 3.80, 990), (2, "trained", 23.1, 3.85, 995)],
+    ("pre-ln-dyt", "24L-3L"): [(1, "diverged", 0.3, 7.90, "")],
+    ("admin", "12L-12L"): [(1, "trained", 30.7, 3.29, 1000)],
+    ("mix-ln", "12L-12L"): [(2, "stuck", 0.4, 7.85, 4)],
 }
 SPEED = {"stock": 1000.0, "admin": 1010.0, "pre-ln": 1020.0, "peri-ln": 960.0,
          "pre-ln-dyt": 930.0}
@@ -55,8 +55,8 @@ def publish_case(tmp_path, cells=CELLS, speed=True):
     (out / "depth_study_loss.png").write_bytes(b"png")
     rows = [dict(key=key(s, d, seed), study="d128-700upd", scheme=s, positions="sinusoidal",
                  depth=d, seed=seed, status=st, bleu=f"{b:.2f}", best_valid_nll=f"{n:.3f}",
-                 embed_dim=128, max_update=700, lr="0.002", warmup=400)
-            for (s, d), runs in cells.items() for seed, st, b, n in runs]
+                 distinct_hyps=dh, embed_dim=128, max_update=700, lr="0.002", warmup=400)
+            for (s, d), runs in cells.items() for seed, st, b, n, dh in runs]
     # another recipe's row (lr 1e-3) is not one of the cells
     rows.append(dict(key=key("peri-ln", "24L-3L", 3, lr="0.001"), study="d128-700upd",
                      scheme="peri-ln", positions="sinusoidal", depth="24L-3L", seed=3,
@@ -89,11 +89,13 @@ def test_cells_with_means_stds_failures_and_distance_to_admin(tmp_path, study):
         bleus, nlls = [r[2] for r in runs], [r[3] for r in runs]
         fails = ", ".join(f"1 {r[1]}" for r in runs if r[1] != "trained") or "none"
         vs = "-" if scheme == "admin" else f"{statistics.mean(bleus) - admin[depth]:+.2f}"
+        distinct = [r[4] for r in runs if r[4] != ""]
         line = (f"| {depth} | {scheme} | {','.join(str(r[0]) for r in runs)} | {len(runs)} | "
-                f"{fmt(bleus, 2)} | {fmt(nlls, 3)} | {fails} | {vs} |")
+                f"{fmt(bleus, 2)} | {fmt(nlls, 3)} | {fails} | {vs} | "
+                f"{min(distinct) if distinct else '-'} |")
         assert line in block, line
     # cells without a row are listed; the lr 1e-3 row is not counted anywhere
-    assert "| 12L-12L | peri-ln-dyt | - | 0 | not run yet | - | - | - |" in block
+    assert "| 12L-12L | peri-ln-dyt | - | 0 | not run yet | - | - | - | - |" in block
     assert "40.00" not in block
     # the plan's runs only (admin's demo-scale rows are not in the plan): 6 schemes and
     # the two LayerNorm baselines, 2 depths, 3 seeds

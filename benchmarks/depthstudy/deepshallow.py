@@ -118,6 +118,14 @@ def failures(rs) -> str:
     return ", ".join(f"{n} {st}" for st, n in sorted(bad.items())) or "none"
 
 
+def fewest_distinct(rs) -> str:
+    """The fewest different test translations among the runs that recorded them ('-' if
+    none did)."""
+    counts = [int(r["distinct_hyps"]) for r in rs
+              if str(r.get("distinct_hyps") or "").isdigit()]
+    return str(min(counts)) if counts else "-"
+
+
 def read_speed(path: Path):
     """``{(kind, scheme, shape, engine, precision, batch, threads): row}`` of a deploy-speed
     CSV ({} without the file)."""
@@ -215,10 +223,12 @@ def block(groups, speed_rows, shape_rows, figure: bool) -> str:
              "std over the seeds recorded; failures: runs whose status is not `trained`. "
              f"Deployed: sentences/s of the cell's timed model, {X_LABEL} "
              "(fairseq-generate with the plugin, batch 64, 1 thread, where the scheme cannot "
-             "be exported).", "",
+             "be exported). Distinct: the fewest different translations of the 1000 test "
+             "sentences over the seeds (a few hundred or less: the decoder ignores most of the "
+             "source, whatever the status says).", "",
              "| shape | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
-             "deployed sentences/s | ratio to 6L-6L |",
-             "|---|---|---|---:|---|---|---|---:|---:|"]
+             "deployed sentences/s | ratio to 6L-6L | distinct |",
+             "|---|---|---|---:|---|---|---|---:|---:|---:|"]
     for (scheme, depth, _pos), rs in groups.items():
         x, key = cell_speed(speed, scheme, depth)
         base, base_key = cell_speed(speed, scheme, "6L-6L")
@@ -226,12 +236,12 @@ def block(groups, speed_rows, shape_rows, figure: bool) -> str:
         ratio = f"{x / base:.2f}" if x is not None and base and key == base_key else "-"
         if not rs:
             lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | {shown} | "
-                         f"{ratio} |")
+                         f"{ratio} | - |")
             continue
         lines.append(f"| {depth} | {scheme} | {','.join(r['seed'] for r in rs)} | {len(rs)} | "
                      f"{fmt_mean([r['bleu'] for r in rs], 2)} | "
                      f"{fmt_mean([r['best_valid_nll'] for r in rs], 3)} | {failures(rs)} | "
-                     f"{shown} | {ratio} |")
+                     f"{shown} | {ratio} | {fewest_distinct(rs)} |")
     lines += ["", fastest_line(groups, speed), ""]
     if speed_rows:
         cpu = sorted({r["cpu"] for r in speed_rows})

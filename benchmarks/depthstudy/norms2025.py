@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .deepshallow import cell_rows, failures, fmt_mean, mean_std
+from .deepshallow import cell_rows, failures, fewest_distinct, fmt_mean, mean_std
 from .plan import PLANS
 
 PLAN = "norms-2025"
@@ -99,14 +99,16 @@ def block(groups, speed_files) -> str:
              "recorded; admin's rows (and pre-ln's, post-ln's where they exist) are the "
              "demo-scale study's runs with the same recipe. BLEU and best valid nll: mean +- "
              "sample std over the seeds recorded; failures: runs whose status is not `trained`;"
-             " vs admin: the difference of the mean BLEU to admin's at the same depth.", "",
+             " vs admin: the difference of the mean BLEU to admin's at the same depth; "
+             "distinct: the fewest different translations of the 1000 test sentences over the "
+             "seeds (a handful: the decoder ignores the source, whatever the status says).", "",
              "| depth | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
-             "vs admin (BLEU) |", "|---|---|---|---:|---|---|---|---:|"]
+             "vs admin (BLEU) | distinct |", "|---|---|---|---:|---|---|---|---:|---:|"]
     admin_mean = {d: mean_std(r["bleu"] for r in rs)[0] for (s, d, _), rs in groups.items()
                   if s == "admin"}
     for (scheme, depth, _pos), rs in groups.items():
         if not rs:
-            lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | - |")
+            lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | - | - |")
             continue
         m = mean_std(r["bleu"] for r in rs)[0]
         base = admin_mean.get(depth)
@@ -114,7 +116,7 @@ def block(groups, speed_files) -> str:
         lines.append(f"| {depth} | {scheme} | {','.join(r['seed'] for r in rs)} | {len(rs)} | "
                      f"{fmt_mean([r['bleu'] for r in rs], 2)} | "
                      f"{fmt_mean([r['best_valid_nll'] for r in rs], 3)} | {failures(rs)} | "
-                     f"{vs} |")
+                     f"{vs} | {fewest_distinct(rs)} |")
     depths = list(dict.fromkeys(d for _, d, _ in groups))
     standing = [line for line in (_standing(groups, d) for d in depths) if line]
     if standing:
