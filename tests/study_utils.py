@@ -35,3 +35,20 @@ def schedule_row(scheme: str, seed: int, max_update: int, lr: str, warmup: int) 
             "depth": "24L-3L", "seed": str(seed), "embed_dim": "128",
             "max_update": str(max_update), "lr": lr, "warmup": str(warmup),
             "status": "trained", "bleu": "20.00", "best_valid_nll": "4.000"}
+
+
+def publish_folders(tmp_path, page: str):
+    """``(out, docs)`` as ``--publish`` finds them after the report step: ``docs/results.md``
+    holding ``page``, and the table and figure the report writes into ``out``."""
+    out, docs = tmp_path / "out", tmp_path / "docs"
+    out.mkdir()
+    docs.mkdir()
+    (docs / "results.md").write_text(page)
+    (out / "results_table.md").write_text("new table\n")
+    (out / "depth_study_loss.png").write_bytes(b"png")
+    return out, docs
+
+
+def published_block(docs, start: str, end: str) -> str:
+    """The text of ``docs/results.md`` between the lines ``start`` and ``end``."""
+    return (docs / "results.md").read_text().split(start + "\n")[1].split(end)[0]

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from fairseq_cli_utils import REPO, TINY_MODEL, run, train, write_reversal_corpus
+from study_utils import publish_folders, published_block
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
@@ -286,12 +287,7 @@ def speed_row(kind, scheme, shape, engine, precision, sps, batch="64", threads="
 def publish_case(tmp_path, with_speed=True, rows=True):
     from depthstudy.report import write_rows
 
-    out, docs = tmp_path / "out", tmp_path / "docs"
-    out.mkdir()
-    docs.mkdir()
-    (docs / "results.md").write_text(PAGE)
-    (out / "results_table.md").write_text("new table\n")
-    (out / "depth_study_loss.png").write_bytes(b"png")
+    out, docs = publish_folders(tmp_path, PAGE)
     table = []
     for (scheme, shape), runs in (CELLS.items() if rows else []):
         for seed, status, bleu, nll in runs:
@@ -323,9 +319,9 @@ def publish_case(tmp_path, with_speed=True, rows=True):
     from depthstudy.publish import publish
 
     publish(out, docs)
-    text = (docs / "results.md").read_text()
-    return text.split("<!-- deep_shallow table: start -->\n")[1].split(
-        "<!-- deep_shallow table: end -->")[0], docs
+    block = published_block(docs, "<!-- deep_shallow table: start -->",
+                            "<!-- deep_shallow table: end -->")
+    return block, docs
 
 
 def test_publish_writes_the_cells_with_means_and_stds(tmp_path, bench):

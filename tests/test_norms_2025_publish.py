@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from study_utils import load_study_module
+from study_utils import load_study_module, publish_folders, published_block
 
 PAGE = ("# page\n\n<!-- depth_study table: start -->\nold\n<!-- depth_study table: end -->\n\n"
         "## Peri-LN, Mix-LN and DyT\n\n<!-- norms_2025 table: start -->\nplaceholder\n"
@@ -47,12 +47,7 @@ def publish_case(tmp_path, cells=CELLS, speed=True):
     from depthstudy.publish import publish
     from depthstudy.report import write_rows
 
-    out, docs = tmp_path / "out", tmp_path / "docs"
-    out.mkdir()
-    docs.mkdir()
-    (docs / "results.md").write_text(PAGE)
-    (out / "results_table.md").write_text("new table\n")
-    (out / "depth_study_loss.png").write_bytes(b"png")
+    out, docs = publish_folders(tmp_path, PAGE)
     rows = [dict(key=key(s, d, seed), study="d128-700upd", scheme=s, positions="sinusoidal",
                  depth=d, seed=seed, status=st, bleu=f"{b:.2f}", best_valid_nll=f"{n:.3f}",
                  distinct_hyps=dh, embed_dim=128, max_update=700, lr="0.002", warmup=400)
@@ -70,9 +65,9 @@ def publish_case(tmp_path, cells=CELLS, speed=True):
                        {"variant": v, "layers": 6, "words_per_s": x} for v, x in SPEED.items()]}]}
         (docs / "speed_norms_2025_tiny.json").write_text(json.dumps(summary))
     publish(out, docs)
-    text = (docs / "results.md").read_text()
-    return text.split("<!-- norms_2025 table: start -->\n")[1].split(
-        "<!-- norms_2025 table: end -->")[0]
+    block = published_block(docs, "<!-- norms_2025 table: start -->",
+                            "<!-- norms_2025 table: end -->")
+    return block
 
 
 def fmt(values, nd):
