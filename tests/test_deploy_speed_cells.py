@@ -11,7 +11,8 @@
   through the whole mode), and batches never mix lengths;
 * ``depth_study.py``'s publish (``publish.publish``) on hand-made rows: the deep-shallow block
   with means and sample stds recomputed here with ``statistics``, the "fastest within 0.5
-  BLEU" line of a constructed case, the figure; and nothing changed without the plan's rows.
+  BLEU" line of a constructed case, the figure; and nothing changed without the plan's rows;
+  the warmup plan's table beside the demo recipe's rows, with the distances recomputed.
 """
 from __future__ import annotations
 
@@ -398,3 +399,57 @@ def test_plan_args_are_the_studys_keys(bench):
         if getattr(args, name) is None:
             setattr(args, name, value)
     assert ds.run_key("admin", "12L-1L", 1, args) == recipe_key("admin", "12L-1L", 1)
+
+
+def test_publish_sets_the_warmup_plan_beside_the_demo_recipe(tmp_path, bench):
+    """``--plan deep-shallow-warmup``'s rows (with the same recipe's 24L-3L pair) get their own
+    table beside the same cells at the demo recipe, and per shape the paper's Admin's distance
+    to the closed form at both recipes, recomputed here."""
+    from depthstudy.deepshallow import plan_args
+    from depthstudy.plan import run_key
+    from depthstudy.publish import publish
+    from depthstudy.report import write_rows
+
+    # (scheme, shape, recipe): [(seed, status, bleu, nll, distinct)]
+    runs = {("admin-paper", "12L-1L", "warmup"): [(1, "trained", 24.5, 3.80, 990)],
+            ("admin", "12L-1L", "warmup"): [(1, "trained", 27.0, 3.60, 1000)],
+            ("admin-paper", "24L-3L", "warmup"): [(1, "trained", 33.26, 2.984, 1000),
+                                                  (2, "trained", 33.42, 3.017, 1000)],
+            ("admin", "24L-3L", "warmup"): [(1, "trained", 34.08, 2.994, 1000)],
+            ("admin-paper", "12L-1L", "deep-shallow"): [(1, "trained", 19.2, 4.20, 1000)],
+            ("admin", "12L-1L", "deep-shallow"): [(1, "trained", 27.4, 3.70, 1000),
+                                                  (2, "trained", 24.4, 3.88, 1000)],
+            ("admin-paper", "24L-3L", "deep-shallow"): [(1, "stuck", 3.6, 5.03, 358)]}
+    table = []
+    for (scheme, shape, recipe), rs in runs.items():
+        args = plan_args("deep-shallow-warmup" if recipe == "warmup" else "deep-shallow")
+        for seed, status, bleu, nll, dist in rs:
+            table.append(dict(key=run_key(scheme, shape, seed, args), scheme=scheme,
+                              positions="sinusoidal", depth=shape, seed=seed, status=status,
+                              bleu=f"{bleu:.2f}", best_valid_nll=f"{nll:.3f}",
+                              distinct_hyps=dist))
+    out, docs = publish_folders(tmp_path, PAGE)
+    write_rows(out / "results.csv", table)
+    publish(out, docs)
+    block = published_block(docs, "<!-- deep_shallow table: start -->",
+                            "<!-- deep_shallow table: end -->")
+    assert "(lr 0.001, warmup 2000, 2400 updates;" in block, block
+    assert "| 12L-1L | admin-paper | 1 | 24.50 | 3.800 | none | 990 | 19.20 (seeds 1) |" in block
+    demo = statistics.mean([27.4, 24.4]), statistics.stdev([27.4, 24.4])
+    assert (f"| 12L-1L | admin | 1 | 27.00 | 3.600 | none | 1000 | {demo[0]:.2f} +- "
+            f"{demo[1]:.2f} (seeds 1,2) |") in block
+    ref = statistics.mean([33.26, 33.42]), statistics.stdev([33.26, 33.42])
+    assert f"| 24L-3L | admin-paper | 1,2 | {ref[0]:.2f} +- {ref[1]:.2f} |" in block
+    assert "| 24L-3L | admin | 1 | 34.08 | 2.994 | none | 1000 | - |" in block
+    # the plan's 24L-1L cells are listed, not run
+    assert "| 24L-1L | admin-paper | - | not run yet |" in block
+    assert (f"- 12L-1L: admin-paper minus admin, mean BLEU: {24.5 - 27.0:+.2f} at lr 0.001, "
+            f"warmup 2000, 2400 updates; {19.2 - demo[0]:+.2f} at the demo recipe.") in block
+    assert (f"- 24L-3L: admin-paper minus admin, mean BLEU: {ref[0] - 34.08:+.2f} at lr 0.001, "
+            "warmup 2000, 2400 updates; not measured at the demo recipe.") in block
+    # without a row of the warmup plan's own cells there is no warmup table
+    table = [r for r in table if not (r["depth"] == "12L-1L" and "wu2000" in r["key"])]
+    write_rows(out / "results.csv", table)
+    publish(out, docs)
+    assert "deep-shallow-warmup" not in published_block(
+        docs, "<!-- deep_shallow table: start -->", "<!-- deep_shallow table: end -->")

@@ -1,7 +1,8 @@
 """Issue 41's answer in the docs: the deep-shallow plan's cells (BLEU and validation nll over
 seeds, failures), their deployed speed (``benchmarks/deploy_speed.py --study-out``), the
-untrained WMT-base shapes' speed (``--wmt-shapes``), the speed-quality figure and the line
-naming the fastest model within 0.5 BLEU of the best.
+untrained WMT-base shapes' speed (``--wmt-shapes``), the speed-quality figure, the line
+naming the fastest model within 0.5 BLEU of the best, and the paper's Admin at issue 22's
+longer warmup (``--plan deep-shallow-warmup``) beside the same cells at the demo recipe.
 
 ``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
 :data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when the plan has rows, and
@@ -22,6 +23,11 @@ from pathlib import Path
 from .plan import PLAN_RECIPES, PLANS, PRESETS, run_key
 
 PLAN = "deep-shallow"
+#: the paper's Admin at issue 22's longer warmup in the 1-layer-decoder cells (plan.py)
+WARMUP_PLAN = "deep-shallow-warmup"
+#: the same recipe's deep encoder with a 3-layer decoder (``--plan admin-warmup``, issue 22),
+#: where the longer warmup is known to make the paper's Admin train
+WARMUP_REFERENCE = "24L-3L"
 START = "<!-- deep_shallow table: start -->"
 END = "<!-- deep_shallow table: end -->"
 CELLS_CSV, SHAPES_CSV = "deploy_speed_cells.csv", "deploy_speed_shapes.csv"
@@ -212,8 +218,66 @@ def _speed_table(rows):
     return lines
 
 
-def block(groups, speed_rows, shape_rows, figure: bool) -> str:
-    """The markdown between the markers."""
+def warmup_cells(rows):
+    """``{(scheme, depth, positions): [rows]}`` at the warmup plan's recipe: its own cells and
+    the 24L-3L reference pair; ``{}`` when no cell of the plan itself has a row."""
+    cells = plan_cells(WARMUP_PLAN)
+    own = cell_rows(rows, WARMUP_PLAN, cells)
+    if not any(own.values()):
+        return {}
+    schemes = list(dict.fromkeys(c[0] for c in cells))
+    ref = [(s, WARMUP_REFERENCE, "sinusoidal") for s in schemes]
+    return {**cell_rows(rows, WARMUP_PLAN, ref), **own}
+
+
+def _recipe(args) -> str:
+    return f"lr {args.lr:g}, warmup {args.warmup}, {args.max_update} updates"
+
+
+def warmup_lines(wgroups, short):
+    """The warmup plan's table: each cell at lr 1e-3 / warmup 2000 / 2400 updates beside the
+    same cell at the demo recipe (``short``, rows by cell), and per shape the paper's Admin's
+    distance to the closed form at both recipes."""
+    if not wgroups:
+        return []
+    recipe, demo = _recipe(plan_args(WARMUP_PLAN)), _recipe(plan_args(PLAN))
+    lines = ["", f"`--plan {WARMUP_PLAN}`: the paper's Admin and the closed form at issue 22's "
+             f"longer warmup ({recipe}; the {WARMUP_REFERENCE} rows are `--plan "
+             f"admin-warmup`'s, the same recipe), beside the same cell at the demo recipe "
+             f"({demo}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} --out "
+             "runs/depth_study --threads 1 --jobs 2`:", "",
+             f"| shape | scheme | seeds | BLEU ({recipe}) | best valid nll (bits) | failures | "
+             "distinct | BLEU at the demo recipe |",
+             "|---|---|---|---|---|---|---:|---|"]
+    for (scheme, depth, pos), rs in sorted(wgroups.items(), key=lambda kv: (
+            _shape_order(kv[0][1]), kv[0][0] != "admin-paper")):
+        demo = short.get((scheme, depth, pos), [])
+        demo_bleu = fmt_mean([x["bleu"] for x in demo], 2) + (
+            f" (seeds {','.join(x['seed'] for x in demo)})" if demo else "")
+        if not rs:
+            lines.append(f"| {depth} | {scheme} | - | not run yet | - | - | - | {demo_bleu} |")
+            continue
+        lines.append(f"| {depth} | {scheme} | {','.join(x['seed'] for x in rs)} | "
+                     f"{fmt_mean([x['bleu'] for x in rs], 2)} | "
+                     f"{fmt_mean([x['best_valid_nll'] for x in rs], 3)} | {failures(rs)} | "
+                     f"{fewest_distinct(rs)} | {demo_bleu} |")
+    lines.append("")
+    for depth in sorted({c[1] for c in wgroups}, key=_shape_order):
+        gaps = []
+        for label, groups in ((recipe, wgroups), ("the demo recipe", short)):
+            paper = mean_std(x["bleu"] for x in groups.get(("admin-paper", depth,
+                                                               "sinusoidal"), []))[0]
+            closed = mean_std(x["bleu"] for x in groups.get(("admin", depth,
+                                                                "sinusoidal"), []))[0]
+            gaps.append(f"{paper - closed:+.2f} at {label}" if None not in (paper, closed)
+                        else f"not measured at {label}")
+        lines.append(f"- {depth}: admin-paper minus admin, mean BLEU: {'; '.join(gaps)}.")
+    return lines
+
+
+def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
+    """The markdown between the markers; ``warmup``: ``(warmup_cells(rows), the same cells'
+    rows at the demo recipe)``, the warmup table's input, or None."""
     speed = {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
               r["threads"]): r for r in speed_rows}
     n_runs = sum(len(rs) for rs in groups.values())
@@ -270,6 +334,8 @@ def block(groups, speed_rows, shape_rows, figure: bool) -> str:
                   f"{next((r['mean_batch'] for r in shape_rows if r['batch'] == '64'), '-')}). "
                   f"{'; '.join(sorted({r['cpu'] for r in shape_rows}))}:", ""]
         lines += _speed_table(shape_rows)
+    if warmup:
+        lines += warmup_lines(*warmup)
     lines += ["", "Reproduce (the study, then the two speed runs, then this block):", "",
               "```bash"] + COMMANDS + ["```"]
     return "\n".join(lines) + "\n"
@@ -311,6 +377,10 @@ def fill_block(text: str, rows, dest: Path, log=print) -> str:
                                           X_LABEL)
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
+    wgroups = warmup_cells(rows)
+    warmup = (wgroups, cell_rows(rows, PLAN, list(wgroups))) if wgroups else None
     log(f"deep-shallow block: {sum(len(v) for v in groups.values())} runs"
+        + (f", {sum(len(v) for v in wgroups.values())} at the warmup recipe" if wgroups else "")
         + (f", figure {dest / FIGURE}" if figure else ""))
-    return f"{head}{START}\n{block(groups, speed_rows, shape_rows, figure)}{END}{tail}"
+    body = block(groups, speed_rows, shape_rows, figure, warmup)
+    return f"{head}{START}\n{body}{END}{tail}"
