@@ -434,7 +434,7 @@ def test_publish_sets_the_warmup_plan_beside_the_demo_recipe(tmp_path, bench):
     block = published_block(docs, "<!-- deep_shallow table: start -->",
                             "<!-- deep_shallow table: end -->")
     assert "(lr 0.001, warmup 2000, 2400 updates;" in block, block
-    assert "| 12L-1L | admin-paper | 1 | 24.50 | 3.800 | none | 990 | 19.20 (seeds 1) |" in block
+    assert "| 12L-1L | admin-paper | 1 | 24.50 | 3.800 | none | 990 | 19.20 (seed 1) |" in block
     demo = statistics.mean([27.4, 24.4]), statistics.stdev([27.4, 24.4])
     assert (f"| 12L-1L | admin | 1 | 27.00 | 3.600 | none | 1000 | {demo[0]:.2f} +- "
             f"{demo[1]:.2f} (seeds 1,2) |") in block

@@ -253,7 +253,8 @@ def warmup_lines(wgroups, short):
             _shape_order(kv[0][1]), kv[0][0] != "admin-paper")):
         demo = short.get((scheme, depth, pos), [])
         demo_bleu = fmt_mean([x["bleu"] for x in demo], 2) + (
-            f" (seeds {','.join(x['seed'] for x in demo)})" if demo else "")
+            f" (seed{'s' if len(demo) > 1 else ''} {','.join(x['seed'] for x in demo)})"
+            if demo else "")
         if not rs:
             lines.append(f"| {depth} | {scheme} | - | not run yet | - | - | - | {demo_bleu} |")
             continue
