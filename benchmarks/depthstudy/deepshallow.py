@@ -240,21 +240,21 @@ def warmup_lines(wgroups, short):
     distance to the closed form at both recipes."""
     if not wgroups:
         return []
-    recipe, demo = _recipe(plan_args(WARMUP_PLAN)), _recipe(plan_args(PLAN))
+    recipe, demo_recipe = _recipe(plan_args(WARMUP_PLAN)), _recipe(plan_args(PLAN))
     lines = ["", f"`--plan {WARMUP_PLAN}`: the paper's Admin and the closed form at issue 22's "
              f"longer warmup ({recipe}; the {WARMUP_REFERENCE} rows are `--plan "
              f"admin-warmup`'s, the same recipe), beside the same cell at the demo recipe "
-             f"({demo}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} --out "
+             f"({demo_recipe}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} --out "
              "runs/depth_study --threads 1 --jobs 2`:", "",
              f"| shape | scheme | seeds | BLEU ({recipe}) | best valid nll (bits) | failures | "
              "distinct | BLEU at the demo recipe |",
              "|---|---|---|---|---|---|---:|---|"]
     for (scheme, depth, pos), rs in sorted(wgroups.items(), key=lambda kv: (
             _shape_order(kv[0][1]), kv[0][0] != "admin-paper")):
-        demo = short.get((scheme, depth, pos), [])
-        demo_bleu = fmt_mean([x["bleu"] for x in demo], 2) + (
-            f" (seed{'s' if len(demo) > 1 else ''} {','.join(x['seed'] for x in demo)})"
-            if demo else "")
+        same = short.get((scheme, depth, pos), [])
+        demo_bleu = fmt_mean([x["bleu"] for x in same], 2) + (
+            f" (seed{'s' if len(same) > 1 else ''} {','.join(x['seed'] for x in same)})"
+            if same else "")
         if not rs:
             lines.append(f"| {depth} | {scheme} | - | not run yet | - | - | - | {demo_bleu} |")
             continue
