@@ -155,10 +155,11 @@ def build_parser():
                         "issue 41's encoder/decoder allocation (6-6, 12-3, 12-1, 24-1, 48-1 x "
                         "post-ln, pre-ln, admin, admin-paper, 3 seeds); deep-shallow-warmup = "
                         "admin-paper and admin at 12-1 and 24-1 with lr 1e-3, warmup 2000, 2400 "
-                        "updates; norms-2025 = issue 39's peri-ln, mix-ln and DyT "
-                        "(pre-ln-dyt, peri-ln-dyt, mix-ln-dyt, post-ln-dyt) at " + _DEEP_ENC +
-                        " and 12L-12L, 3 seeds (seed 1 of every scheme first), with the pre-ln "
-                        "and post-ln rows of the same cells")
+                        "updates; norms-2025 = issue 39's peri-ln, mix-ln and DyT in Pre-LN "
+                        "(pre-ln-dyt) at " + _DEEP_ENC + " and 12L-12L, 3 seeds (seed 1 of "
+                        "every scheme first), with the pre-ln and post-ln rows of the same "
+                        "cells; norms-2025-dyt = DyT in the other placements (peri-ln-dyt, "
+                        "mix-ln-dyt, post-ln-dyt), the same cells and seeds")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")
@@ -213,8 +214,8 @@ def build_parser():
                         "DIR/deploy_speed_shapes.csv of benchmarks/deploy_speed.py, the "
                         "fastest model within 0.5 BLEU of the best) and, with the cells' "
                         "speed, DIR/deep_shallow_speed_quality.png; likewise between "
-                        f"{NS_START!r} and {NS_END!r} when --plan norms-2025's schemes have "
-                        "rows: those cells next to admin, pre-ln and post-ln at the same "
+                        f"{NS_START!r} and {NS_END!r} when --plan norms-2025's or "
+                        "norms-2025-dyt's schemes have rows: those cells next to admin, pre-ln and post-ln at the same "
                         "depths, and the training speed of DIR/speed_norms_2025*.json "
                         "(benchmarks/speed_vs_stock.py --json)")
     p.add_argument("--verbose", action="store_true", help="echo fairseq-train's log")

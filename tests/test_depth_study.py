@@ -240,16 +240,22 @@ def test_demo_scale_plan_is_the_issues_grid_once_each(depth_study_module):
 
 
 def test_norms_2025_plan_is_the_issues_grid_seed_one_first(depth_study_module):
-    # issue 39: Peri-LN, Mix-LN and the DyT variants (with the pre-ln/post-ln baselines) at the
-    # deep encoder and 12L-12L, 3 seeds; seed 1 of every new scheme before any other run
+    # issue 39: Peri-LN, Mix-LN and DyT in Pre-LN (with the pre-ln/post-ln baselines) at the
+    # deep encoder and 12L-12L, 3 seeds; seed 1 of every new scheme before any other run. DyT
+    # in the other placements is a plan of its own, the same cells and seeds
     m = depth_study_module
     plan, deep = m.PLANS["norms-2025"], m._DEEP_ENC
-    new = ("peri-ln", "mix-ln", "pre-ln-dyt", "peri-ln-dyt", "mix-ln-dyt", "post-ln-dyt")
+    new = ("peri-ln", "mix-ln", "pre-ln-dyt")
+    cells = [(d, seed) for d in (deep, "12L-12L") for seed in (1, 2, 3)]
     expected = {(s, d, seed, "sinusoidal") for s in new + ("pre-ln", "post-ln")
-                for d in (deep, "12L-12L") for seed in (1, 2, 3)}
-    assert len(plan) == len(set(plan)) == 48 and set(plan) == expected
-    assert set(plan[:12]) == {(s, d, 1, "sinusoidal") for s in new for d in (deep, "12L-12L")}
-    assert [r[1] for r in plan[:12]] == [deep] * 6 + ["12L-12L"] * 6
+                for d, seed in cells}
+    assert len(plan) == len(set(plan)) == 30 and set(plan) == expected
+    assert set(plan[:6]) == {(s, d, 1, "sinusoidal") for s in new for d in (deep, "12L-12L")}
+    assert [r[1] for r in plan[:6]] == [deep] * 3 + ["12L-12L"] * 3
+    dyt = m.PLANS["norms-2025-dyt"]
+    assert len(dyt) == len(set(dyt)) == 18 and set(dyt) == {
+        (s, d, seed, "sinusoidal") for s in ("peri-ln-dyt", "mix-ln-dyt", "post-ln-dyt")
+        for d, seed in cells}
     assert m.SCHEMES["mix-ln-dyt"] == ["--admin-residual", "mix-ln", "--admin-norm", "dyt"]
     assert m.SCHEMES["pre-ln-dyt"] == m.SCHEMES["pre-ln"] + ["--admin-norm", "dyt"]
     assert "admin-dyt" not in m.SCHEMES  # refused: Admin's omegas assume LayerNorm

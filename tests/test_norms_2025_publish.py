@@ -26,7 +26,9 @@ CELLS = {
     ("pre-ln-dyt", "24L-3L"): [(1, "diverged", 0.3, 7.90, "")],
     ("admin", "12L-12L"): [(1, "trained", 30.7, 3.29, 1000)],
     ("mix-ln", "12L-12L"): [(2, "stuck", 0.4, 7.85, 4)],
+    ("post-ln-dyt", "12L-12L"): [(3, "stuck", 0.5, 7.80, 3)],
 }
+DYT_ELSEWHERE = ("peri-ln-dyt", "mix-ln-dyt", "post-ln-dyt")
 SPEED = {"stock": 1000.0, "admin": 1010.0, "pre-ln": 1020.0, "peri-ln": 960.0,
          "pre-ln-dyt": 930.0}
 
@@ -92,11 +94,12 @@ def test_cells_with_means_stds_failures_and_distance_to_admin(tmp_path, study):
     # cells without a row are listed; the lr 1e-3 row is not counted anywhere
     assert "| 12L-12L | peri-ln-dyt | - | 0 | not run yet | - | - | - | - |" in block
     assert "40.00" not in block
-    # the plan's runs only (admin's demo-scale rows are not in the plan): 6 schemes and
-    # the two LayerNorm baselines, 2 depths, 3 seeds
-    planned = 6 * 2 * 3 + 2 * 2 * 3
-    own = sum(len(r) for (s, _), r in CELLS.items() if s != "admin")
-    assert f"{own} of {planned} planned runs recorded" in block
+    # each plan's runs only (admin's demo-scale rows are in neither): the 3 schemes
+    # and the two LayerNorm baselines, 2 depths, 3 seeds; DyT in 3 more placements likewise
+    own = sum(len(r) for (s, _), r in CELLS.items() if s != "admin" and s not in DYT_ELSEWHERE)
+    dyt = sum(len(r) for (s, _), r in CELLS.items() if s in DYT_ELSEWHERE)
+    assert (f"`--plan norms-2025` {own} of {5 * 2 * 3} planned runs recorded; "
+            f"`--plan norms-2025-dyt` {dyt} of {3 * 2 * 3} planned runs recorded") in block
 
 
 def test_standing_line_is_sorted_by_mean_bleu(tmp_path, study):
@@ -125,6 +128,9 @@ def test_without_speed_file_says_how_to_measure(tmp_path, study):
     assert "speed_vs_stock.py" in block
 
 
-def test_without_the_plans_own_runs_the_block_is_left(tmp_path, study):
-    baselines = {c: r for c, r in CELLS.items() if c[0] in ("admin", "pre-ln", "post-ln")}
-    assert publish_case(tmp_path, cells=baselines) == "placeholder\n"
+@pytest.mark.parametrize("own", ["post-ln-dyt", None])
+def test_without_the_plans_own_runs_the_block_is_left(tmp_path, study, own):
+    # a row of the second plan alone is enough to write the block
+    cells = {c: r for c, r in CELLS.items() if c[0] in ("admin", "pre-ln", "post-ln", own)}
+    block = publish_case(tmp_path, cells=cells)
+    assert (block == "placeholder\n") == (own is None)

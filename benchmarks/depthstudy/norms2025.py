@@ -1,10 +1,10 @@
-"""Issue 39's answer in the docs: Peri-LN, Mix-LN and DyT (in Post-, Pre-, Peri- and Mix-LN)
-next to Admin, Pre-LN and Post-LN on the study's deep cells (24L-3L, 12L-12L), and their
+"""Issue 39's answer in the docs: Peri-LN, Mix-LN and DyT (in Pre-LN, the issue's grid; in
+Post-, Peri- and Mix-LN, ``--plan norms-2025-dyt``, beyond it) next to Admin, Pre-LN and Post-LN on the study's deep cells (24L-3L, 12L-12L), and their
 training speed against stock.
 
 ``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
-:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when ``--plan norms-2025``
-has a row, and left as it is otherwise (also when the page lacks the markers). Every figure
+:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when either plan
+has a row of its own schemes, and left as it is otherwise (also when the page lacks the markers). Every figure
 in the block is computed here from the rows and from the JSON files that
 ``benchmarks/speed_vs_stock.py --json DIR/speed_norms_2025_<name>.json`` writes (one table
 per file: words/s of each variant over stock's and over Pre-LN's, measured in one run).
@@ -22,6 +22,8 @@ from .deepshallow import cell_rows, failures, fewest_distinct, fmt_mean, mean_st
 from .plan import PLANS
 
 PLAN = "norms-2025"
+#: the issue's grid, then DyT in the other placements (same recipe, same block)
+PLAN_NAMES = (PLAN, "norms-2025-dyt")
 START = "<!-- norms_2025 table: start -->"
 END = "<!-- norms_2025 table: end -->"
 SPEED_GLOB = "speed_norms_2025*.json"
@@ -31,6 +33,8 @@ BASELINES = ("admin", "pre-ln", "post-ln")
 COMMANDS = [
     "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study --threads 1 "
     "--jobs 2",
+    "python benchmarks/depth_study.py --plan norms-2025-dyt --out runs/depth_study --threads 1 "
+    "--jobs 2",
     "python benchmarks/speed_vs_stock.py --data runs/depth_study/data/bin --preset tiny "
     "--variants admin,pre-ln,peri-ln,mix-ln,pre-ln-dyt --json docs/speed_norms_2025_tiny.json",
     "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study "
@@ -39,9 +43,9 @@ COMMANDS = [
 
 
 def plan_cells():
-    """``(scheme, depth, positions)``: per depth of the plan (its order), the baselines, then
-    the plan's other schemes in its order."""
-    plan = PLANS[PLAN]
+    """``(scheme, depth, positions)``: per depth of the plans (their order), the baselines,
+    then the plans' other schemes in their order."""
+    plan = [run for name in PLAN_NAMES for run in PLANS[name]]
     depths = list(dict.fromkeys(d for _, d, _, _ in plan))
     schemes = list(BASELINES) + [s for s in dict.fromkeys(s for s, _, _, _ in plan)
                                  if s not in BASELINES]
@@ -91,12 +95,17 @@ def _standing(groups, depth):
 
 def block(groups, speed_files) -> str:
     """The markdown between the markers."""
-    planned = set((s, d, seed) for s, d, seed, _ in PLANS[PLAN])
-    n_plan = sum(1 for (s, d, _), rs in groups.items() for r in rs
-                 if (s, d, int(r["seed"])) in planned)
-    lines = [f"`--plan {PLAN}` (demo recipe: d=128, 700 updates, lr 2e-3, warmup 400; "
-             f"sacreBLEU on test2016, beam 4): {n_plan} of {len(PLANS[PLAN])} planned runs "
-             "recorded; admin's rows (and pre-ln's, post-ln's where they exist) are the "
+    recorded = {(s, d, int(r["seed"])) for (s, d, _), rs in groups.items() for r in rs}
+    counts = []
+    for name in PLAN_NAMES:
+        planned = {(s, d, seed) for s, d, seed, _ in PLANS[name]}
+        counts.append(f"`--plan {name}` {len(planned & recorded)} of {len(planned)} planned "
+                      "runs recorded")
+    lines = [f"`--plan {PLAN}` (the issue's grid: Peri-LN, Mix-LN, DyT in Pre-LN) and `--plan "
+             f"{PLAN_NAMES[1]}` (DyT in the other placements), both at the demo recipe (d=128, 700 "
+             f"updates, lr 2e-3, warmup 400; sacreBLEU on test2016, beam 4): "
+             f"{'; '.join(counts)}; "
+             "admin's rows (and pre-ln's, post-ln's where they exist) are the "
              "demo-scale study's runs with the same recipe. BLEU and best valid nll: mean +- "
              "sample std over the seeds recorded; failures: runs whose status is not `trained`;"
              " vs admin: the difference of the mean BLEU to admin's at the same depth; "
@@ -126,8 +135,8 @@ def block(groups, speed_files) -> str:
         lines += _speed_tables(speed_files)
     else:
         lines += ["", "Training speed: no `speed_norms_2025*.json` next to this page yet (`"
-                  + COMMANDS[1] + "`)."]
-    lines += ["", "Reproduce (the study, the speed run, then this block):", "", "```bash"] + \
+                  + COMMANDS[2] + "`)."]
+    lines += ["", "Reproduce (the two studies, the speed run, then this block):", "", "```bash"] + \
         COMMANDS + ["```"]
     return "\n".join(lines) + "\n"
 
@@ -139,9 +148,9 @@ def fill_block(text: str, rows, dest: Path, log=print) -> str:
     if START not in text or END not in text:
         return text
     groups = cell_rows(rows, PLAN, plan_cells())
-    own = {s for s, _, _, _ in PLANS[PLAN]} - set(BASELINES)
+    own = {s for name in PLAN_NAMES for s, _, _, _ in PLANS[name]} - set(BASELINES)
     if not any(rs for (s, _, _), rs in groups.items() if s in own):
-        log(f"no rows of --plan {PLAN}'s schemes yet: the norms-2025 block is left as it is")
+        log(f"no rows of --plan {PLAN}'s or {PLAN_NAMES[1]}'s schemes yet: the norms-2025 block is left as it is")
         return text
     speed_files = sorted(dest.glob(SPEED_GLOB))
     head, rest = text.split(START, 1)
