@@ -215,9 +215,9 @@ def build_parser():
                         "fastest model within 0.5 BLEU of the best) and, with the cells' "
                         "speed, DIR/deep_shallow_speed_quality.png; likewise between "
                         f"{NS_START!r} and {NS_END!r} when --plan norms-2025's or "
-                        "norms-2025-dyt's schemes have rows: those cells next to admin, pre-ln and post-ln at the same "
-                        "depths, and the training speed of DIR/speed_norms_2025*.json "
-                        "(benchmarks/speed_vs_stock.py --json)")
+                        "norms-2025-dyt's schemes have rows: those cells next to admin, pre-ln "
+                        "and post-ln at the same depths, and the training speed of "
+                        "DIR/speed_norms_2025*.json (benchmarks/speed_vs_stock.py --json)")
     p.add_argument("--verbose", action="store_true", help="echo fairseq-train's log")
     return p
 

@@ -1,13 +1,13 @@
 """Issue 39's answer in the docs: Peri-LN, Mix-LN and DyT (in Pre-LN, the issue's grid; in
-Post-, Peri- and Mix-LN, ``--plan norms-2025-dyt``, beyond it) next to Admin, Pre-LN and Post-LN on the study's deep cells (24L-3L, 12L-12L), and their
-training speed against stock.
+Post-, Peri- and Mix-LN, ``--plan norms-2025-dyt``, beyond it) next to Admin, Pre-LN and
+Post-LN on the study's deep cells (24L-3L, 12L-12L), and their training speed against stock.
 
 ``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
-:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when either plan
-has a row of its own schemes, and left as it is otherwise (also when the page lacks the markers). Every figure
-in the block is computed here from the rows and from the JSON files that
-``benchmarks/speed_vs_stock.py --json DIR/speed_norms_2025_<name>.json`` writes (one table
-per file: words/s of each variant over stock's and over Pre-LN's, measured in one run).
+:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when either plan has a row
+of its own schemes, and left as it is otherwise (also when the page lacks the markers). Every
+figure in the block is computed here from the rows and from the JSON files that
+``benchmarks/speed_vs_stock.py --json DIR/speed_norms_2025_<name>.json`` writes (one table per
+file: words/s of each variant over stock's and over Pre-LN's, measured in one run).
 
 The baselines are the demo-scale study's rows with the same recipe (a row already in
 ``results.csv`` is not run again), so ``admin`` is shown although the plan has no admin run:
@@ -102,12 +102,11 @@ def block(groups, speed_files) -> str:
         counts.append(f"`--plan {name}` {len(planned & recorded)} of {len(planned)} planned "
                       "runs recorded")
     lines = [f"`--plan {PLAN}` (the issue's grid: Peri-LN, Mix-LN, DyT in Pre-LN) and `--plan "
-             f"{PLAN_NAMES[1]}` (DyT in the other placements), both at the demo recipe (d=128, 700 "
-             f"updates, lr 2e-3, warmup 400; sacreBLEU on test2016, beam 4): "
-             f"{'; '.join(counts)}; "
-             "admin's rows (and pre-ln's, post-ln's where they exist) are the "
-             "demo-scale study's runs with the same recipe. BLEU and best valid nll: mean +- "
-             "sample std over the seeds recorded; failures: runs whose status is not `trained`;"
+             f"{PLAN_NAMES[1]}` (DyT in the other placements), both at the demo recipe (d=128, "
+             "700 updates, lr 2e-3, warmup 400; sacreBLEU on test2016, beam 4): "
+             f"{'; '.join(counts)}; admin's rows (and pre-ln's, post-ln's where they exist) "
+             "are the demo-scale study's runs with the same recipe. BLEU and best valid nll: "
+             "mean +- sample std over the seeds recorded; failures: runs whose status is not `trained`;"
              " vs admin: the difference of the mean BLEU to admin's at the same depth; "
              "distinct: the fewest different translations of the 1000 test sentences over the "
              "seeds (a handful: the decoder ignores the source, whatever the status says).", "",
@@ -136,8 +135,8 @@ def block(groups, speed_files) -> str:
     else:
         lines += ["", "Training speed: no `speed_norms_2025*.json` next to this page yet (`"
                   + COMMANDS[2] + "`)."]
-    lines += ["", "Reproduce (the two studies, the speed run, then this block):", "", "```bash"] + \
-        COMMANDS + ["```"]
+    lines += ["", "Reproduce (the two studies, the speed run, then this block):", "",
+              "```bash"] + COMMANDS + ["```"]
     return "\n".join(lines) + "\n"
 
 
@@ -150,7 +149,8 @@ def fill_block(text: str, rows, dest: Path, log=print) -> str:
     groups = cell_rows(rows, PLAN, plan_cells())
     own = {s for name in PLAN_NAMES for s, _, _, _ in PLANS[name]} - set(BASELINES)
     if not any(rs for (s, _, _), rs in groups.items() if s in own):
-        log(f"no rows of --plan {PLAN}'s or {PLAN_NAMES[1]}'s schemes yet: the norms-2025 block is left as it is")
+        log(f"no rows of --plan {PLAN}'s or {PLAN_NAMES[1]}'s schemes yet: the norms-2025 "
+            "block is left as it is")
         return text
     speed_files = sorted(dest.glob(SPEED_GLOB))
     head, rest = text.split(START, 1)
