@@ -106,8 +106,8 @@ def block(groups, speed_files) -> str:
              "700 updates, lr 2e-3, warmup 400; sacreBLEU on test2016, beam 4): "
              f"{'; '.join(counts)}; admin's rows (and pre-ln's, post-ln's where they exist) "
              "are the demo-scale study's runs with the same recipe. BLEU and best valid nll: "
-             "mean +- sample std over the seeds recorded; failures: runs whose status is not `trained`;"
-             " vs admin: the difference of the mean BLEU to admin's at the same depth; "
+             "mean +- sample std over the seeds recorded; failures: runs whose status is not "
+             "`trained`; vs admin: the difference of the mean BLEU to admin's at the same depth; "
              "distinct: the fewest different translations of the 1000 test sentences over the "
              "seeds (a handful: the decoder ignores the source, whatever the status says).", "",
              "| depth | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
