@@ -30,13 +30,15 @@ SPEED_GLOB = "speed_norms_2025*.json"
 #: shown first at each depth: the scheme the others are compared with, then the placements
 #: the new ones sit between
 BASELINES = ("admin", "pre-ln", "post-ln")
+SPEED_COMMAND = (
+    "python benchmarks/speed_vs_stock.py --data runs/depth_study/data/bin --preset tiny "
+    "--variants admin,pre-ln,peri-ln,mix-ln,pre-ln-dyt --json docs/speed_norms_2025_tiny.json")
 COMMANDS = [
     "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study --threads 1 "
     "--jobs 2",
     "python benchmarks/depth_study.py --plan norms-2025-dyt --out runs/depth_study --threads 1 "
     "--jobs 2",
-    "python benchmarks/speed_vs_stock.py --data runs/depth_study/data/bin --preset tiny "
-    "--variants admin,pre-ln,peri-ln,mix-ln,pre-ln-dyt --json docs/speed_norms_2025_tiny.json",
+    SPEED_COMMAND,
     "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study "
     "--report-only --publish docs",
 ]
@@ -134,7 +136,7 @@ def block(groups, speed_files) -> str:
         lines += _speed_tables(speed_files)
     else:
         lines += ["", "Training speed: no `speed_norms_2025*.json` next to this page yet (`"
-                  + COMMANDS[2] + "`)."]
+                  + SPEED_COMMAND + "`)."]
     lines += ["", "Reproduce (the two studies, the speed run, then this block):", "",
               "```bash"] + COMMANDS + ["```"]
     return "\n".join(lines) + "\n"
