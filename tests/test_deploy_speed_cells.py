@@ -268,6 +268,9 @@ CELLS = {
     ("post-ln", "12L-1L"): [(1, "diverged", 2.1, 5.10), (2, "stuck", 0.5, 7.80),
                             (3, "trained", 20.0, 4.00)],
 }
+# (scheme, shape, seed): source gain in bits; post-ln's seed 3 "trained" but reads no source
+GAINS = {("post-ln", "12L-1L", 3): 0.65, ("pre-ln", "48L-1L", 1): 2.05,
+         ("admin", "24L-1L", 1): 1.5}
 # sentences/s of CTranslate2 int8, batch 64, 1 thread (post-ln 12L-1L: plugin only)
 SPEED = {("admin", "6L-6L"): 200.0, ("admin", "12L-3L"): 250.0, ("admin", "12L-1L"): 400.0,
          ("admin", "24L-1L"): 500.0, ("pre-ln", "48L-1L"): 900.0}
@@ -296,6 +299,7 @@ def publish_case(tmp_path, with_speed=True, rows=True):
                               scheme=scheme, positions="sinusoidal", depth=shape, seed=seed,
                               status=status, bleu=f"{bleu:.2f}", best_valid_nll=f"{nll:.3f}",
                               distinct_hyps=distinct(seed, status), embed_dim=128,
+                              source_gain=GAINS.get((scheme, shape, seed), ""),
                               max_update=700, lr="0.002", warmup=400))
     # a row of another plan's recipe (lr 1e-3) must not be counted
     table.append(dict(key=recipe_key("admin", "6L-6L", 1).replace("lr0.002", "lr0.001"),
@@ -334,7 +338,9 @@ def test_publish_writes_the_cells_with_means_and_stds(tmp_path, bench):
             nll = f"{statistics.mean(nlls):.3f} +- {statistics.stdev(nlls):.3f}"
         else:
             bleu, nll = f"{bleus[0]:.2f}", f"{nlls[0]:.3f}"
-        bad = sorted(r[1] for r in runs if r[1] != "trained")
+        # a trained run under 1.5 bits of source gain counts as one that ignores the source
+        bad = sorted(r[1] if r[1] != "trained" else "ignores the source" for r in runs
+                     if r[1] != "trained" or GAINS.get((scheme, shape, r[0]), 9) < 1.5)
         fails = ", ".join(f"1 {st}" for st in bad) or "none"
         seeds = ",".join(str(r[0]) for r in runs)
         line = f"| {shape} | {scheme} | {seeds} | {len(runs)} | {bleu} | {nll} | {fails} |"
@@ -349,6 +355,19 @@ def test_publish_writes_the_cells_with_means_and_stds(tmp_path, bench):
     assert "12 of 60 planned runs recorded" in block
     assert (tmp_path / "docs" / "results.md").read_text().startswith(
         "# page\n\n<!-- depth_study table: start -->\nnew table\n")
+
+
+@pytest.mark.parametrize("status, gain, why", [
+    ("trained", "0.6500", "ignores the source"), ("trained", "-0.0000", "ignores the source"),
+    ("trained", "1.4999", "ignores the source"), ("trained", "1.5", ""),
+    ("trained", "2.52", ""), ("trained", "", ""), ("diverged", "0.1", "diverged"),
+    ("stuck", "", "stuck")])
+def test_failure_is_the_status_or_a_decoder_that_ignores_the_source(bench, status, gain, why):
+    from depthstudy.deepshallow import failure, failures
+
+    assert failure({"status": status, "source_gain": gain}) == why
+    rows = [{"status": status, "source_gain": gain}] * 2 + [{"status": "trained"}]
+    assert failures(rows) == (f"2 {why}" if why else "none")
 
 
 def test_publish_names_the_fastest_model_within_half_a_bleu(tmp_path, bench):

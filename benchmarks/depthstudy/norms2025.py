@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .deepshallow import cell_rows, failures, fewest_distinct, fmt_mean, mean_std
+from .deepshallow import (SOURCE_BLIND, SOURCE_BLIND_BITS, cell_rows, failures, fewest_distinct,
+                          fmt_mean, mean_std)
 from .plan import PLANS
 
 PLAN = "norms-2025"
@@ -109,7 +110,8 @@ def block(groups, speed_files) -> str:
              f"{'; '.join(counts)}; admin's rows (and pre-ln's, post-ln's where they exist) "
              "are the demo-scale study's runs with the same recipe. BLEU and best valid nll: "
              "mean +- sample std over the seeds recorded; failures: runs whose status is not "
-             "`trained`; vs admin: the difference of the mean BLEU to admin's at the same depth; "
+             f"`trained`, and runs that {SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} "
+             "bits per token); vs admin: the difference of the mean BLEU to admin's at the same depth; "
              "distinct: the fewest different translations of the 1000 test sentences over the "
              "seeds (a handful: the decoder ignores the source, whatever the status says).", "",
              "| depth | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
