@@ -113,7 +113,8 @@ def block(groups, speed_files) -> str:
              f"`trained`, and runs that {SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} "
              "bits per token); vs admin: the difference of the mean BLEU to admin's at the same "
              "depth; distinct: the fewest different translations of the 1000 test sentences "
-             "over the seeds (a handful: the decoder ignores the source, whatever the status says).", "",
+             "over the seeds (a handful: the decoder ignores the source, whatever the status "
+             "says).", "",
              "| depth | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
              "vs admin (BLEU) | distinct |", "|---|---|---|---:|---|---|---|---:|---:|"]
     admin_mean = {d: mean_std(r["bleu"] for r in rs)[0] for (s, d, _), rs in groups.items()
