@@ -170,6 +170,20 @@ def cell_speed(speed, scheme: str, shape: str):
     return None, None
 
 
+def cell_ratio(speed, scheme: str, shape: str):
+    """The cell's deployed speed (:func:`cell_speed`) over its scheme's 6L-6L with the same
+    engine, as one timing run measured both: the row's ``ratio_to_6l6l``, so that cells timed
+    in a later run (the machine's speed drifts by 10% and more between runs) are not divided
+    by an earlier run's 6L-6L; the two rows' division where the CSV has no ratio. None
+    without a 6L-6L row of the same engine."""
+    x, key = cell_speed(speed, scheme, shape)
+    base, base_key = cell_speed(speed, scheme, "6L-6L")
+    if x is None or base is None or key != base_key:
+        return None
+    own = speed[("cells", scheme, shape, *key)].get("ratio_to_6l6l")
+    return float(own) if own else x / base
+
+
 def fastest_line(groups, speed) -> str:
     """The fastest cell (by :func:`cell_speed`) whose mean BLEU is within BLEU_MARGIN of the
     best cell's mean BLEU, with its speed ratio to 6L-6L of the same scheme."""
@@ -194,7 +208,8 @@ def fastest_line(groups, speed) -> str:
     elif base_key != key:
         ratio = f"{c[0]} 6L-6L was timed with another engine, so no ratio is given"
     else:
-        ratio = f"{x / base:.2f} times the speed of {c[0]} 6L-6L ({base:.1f} sentences/s)"
+        ratio = (f"{cell_ratio(speed, c[0], c[1]):.2f} times the speed of {c[0]} 6L-6L "
+                 "in the same timing run")
     return (head + f"Fastest within {BLEU_MARGIN} BLEU of it ({len(near)} cells qualify, "
             f"{len(timed)} of them timed): **{c[0]} {c[1]}**, mean BLEU {means[c]:.2f}, "
             f"{x:.1f} sentences/s ({how}), {ratio}.")
@@ -304,8 +319,8 @@ def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
     lines = [f"`--plan {PLAN}` (demo recipe; sacreBLEU on test2016, beam 4): {n_runs} of "
              f"{n_planned} planned runs recorded. BLEU and best valid nll: mean +- sample "
              "std over the seeds recorded; failures: runs whose status is not `trained`, and "
-             f"runs that {SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} bits per token: "
-             "their validation nll barely changes when each sentence is given another's "
+             f"runs whose decoder {SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} bits "
+             "per token: their validation nll barely changes when each sentence is given another's "
              "source). "
              f"Deployed: sentences/s of the cell's timed model, {X_LABEL} "
              "(fairseq-generate with the plugin, batch 64, 1 thread, where the scheme cannot "
@@ -317,9 +332,9 @@ def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
              "|---|---|---|---:|---|---|---|---:|---:|---:|"]
     for (scheme, depth, _pos), rs in groups.items():
         x, key = cell_speed(speed, scheme, depth)
-        base, base_key = cell_speed(speed, scheme, "6L-6L")
         shown = "-" if x is None else f"{x:.1f}" + ("" if key == X_SPEED else " (plugin)")
-        ratio = f"{x / base:.2f}" if x is not None and base and key == base_key else "-"
+        own = cell_ratio(speed, scheme, depth)
+        ratio = "-" if own is None else f"{own:.2f}"
         if not rs:
             lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | {shown} | "
                          f"{ratio} | - |")

@@ -110,11 +110,11 @@ def block(groups, speed_files) -> str:
              f"{'; '.join(counts)}; admin's rows (and pre-ln's, post-ln's where they exist) "
              "are the demo-scale study's runs with the same recipe. BLEU and best valid nll: "
              "mean +- sample std over the seeds recorded; failures: runs whose status is not "
-             f"`trained`, and runs that {SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} "
-             "bits per token); vs admin: the difference of the mean BLEU to admin's at the same "
-             "depth; distinct: the fewest different translations of the 1000 test sentences "
-             "over the seeds (a handful: the decoder ignores the source, whatever the status "
-             "says).", "",
+             f"`trained`, and runs whose decoder {SOURCE_BLIND} (source gain under "
+             f"{SOURCE_BLIND_BITS} bits per token); vs admin: the difference of the mean BLEU "
+             "to admin's at the same depth; distinct: the fewest different translations of "
+             "the 1000 test sentences over the seeds (a handful: the decoder ignores the "
+             "source, whatever the status says).", "",
              "| depth | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
              "vs admin (BLEU) | distinct |", "|---|---|---|---:|---|---|---|---:|---:|"]
     admin_mean = {d: mean_std(r["bleu"] for r in rs)[0] for (s, d, _), rs in groups.items()
