@@ -271,6 +271,9 @@ CELLS = {
 # (scheme, shape, seed): source gain in bits; post-ln's seed 3 "trained" but reads no source
 GAINS = {("post-ln", "12L-1L", 3): 0.65, ("pre-ln", "48L-1L", 1): 2.05,
          ("admin", "24L-1L", 1): 1.5}
+# (scheme, shape, seed): encoder cos of the probed runs (the others were not probed)
+COLLAPSE = {("post-ln", "12L-1L", 3): 0.9987, ("pre-ln", "48L-1L", 1): 0.5912,
+            ("admin", "12L-1L", 1): 0.4021, ("admin", "12L-1L", 2): 0.4556}
 # sentences/s of CTranslate2 int8, batch 64, 1 thread (post-ln 12L-1L: plugin only)
 SPEED = {("admin", "6L-6L"): 200.0, ("admin", "12L-3L"): 250.0, ("admin", "12L-1L"): 400.0,
          ("admin", "24L-1L"): 500.0, ("pre-ln", "48L-1L"): 900.0}
@@ -304,6 +307,7 @@ def publish_case(tmp_path, with_speed=True, rows=True):
                               status=status, bleu=f"{bleu:.2f}", best_valid_nll=f"{nll:.3f}",
                               distinct_hyps=distinct(seed, status), embed_dim=128,
                               source_gain=GAINS.get((scheme, shape, seed), ""),
+                              encoder_cos=COLLAPSE.get((scheme, shape, seed), ""),
                               max_update=700, lr="0.002", warmup=400))
     # a row of another plan's recipe (lr 1e-3) must not be counted
     table.append(dict(key=recipe_key("admin", "6L-6L", 1).replace("lr0.002", "lr0.001"),
@@ -350,9 +354,12 @@ def test_publish_writes_the_cells_with_means_and_stds(tmp_path, bench):
         seeds = ",".join(str(r[0]) for r in runs)
         line = f"| {shape} | {scheme} | {seeds} | {len(runs)} | {bleu} | {nll} | {fails} |"
         assert line in block, line
-        # the last column: the fewest different translations over the cell's seeds
+        # the last columns: the fewest different translations over the cell's seeds, the
+        # highest encoder cos over its probed seeds
         full = next(x for x in block.splitlines() if x.startswith(line))
-        assert full.endswith(f"| {min(distinct(r[0], r[1]) for r in runs)} |"), full
+        cos = [COLLAPSE[scheme, shape, r[0]] for r in runs if (scheme, shape, r[0]) in COLLAPSE]
+        assert full.endswith(f"| {min(distinct(r[0], r[1]) for r in runs)} | "
+                             f"{f'{max(cos):.2f}' if cos else '-'} |"), full
     # every cell of the plan is listed, run or not; the lr 1e-3 row is not counted
     assert "| 48L-1L | admin | - | 0 | not run yet |" in block
     assert "40.00" not in block

@@ -229,3 +229,64 @@ def test_a_run_claimed_by_one_study_process_is_passed_over_by_another(module, tm
             assert other
     with module.claim(tmp_path, "admin|24L-3L|seed1") as again:  # released with the run
         assert again
+
+
+def pairwise_cos_by_matrix(x):
+    """Mean cosine over pairs of different rows, from the full N x N matrix."""
+    import torch
+
+    u = torch.nn.functional.normalize(x.double(), dim=-1)
+    c = u @ u.T
+    n = c.size(0)
+    return float((c.sum() - c.diagonal().sum()) / (n * (n - 1)))
+
+
+@pytest.mark.parametrize("scheme", ["admin-paper", "admin-paper-closed-bottom"])
+def test_encoder_cos_is_the_pairwise_cosine_of_the_checkpoints_encoder(grid, scheme):
+    from argparse import Namespace
+
+    import torch
+    from fairseq import checkpoint_utils, utils
+
+    utils.import_user_module(Namespace(user_dir="fairseq_admin_pos"))
+    ckpt = run_dir(grid, scheme) / "ckpt" / "checkpoint_best.pt"
+    models, _cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(ckpt)], arg_overrides={"data": str(grid["out"] / "data" / "bin")})
+    model = models[0].eval()
+    task.load_dataset("valid")
+    ds = task.dataset("valid")
+    batch = ds.collater([ds[i] for i in range(len(ds))])["net_input"]
+    outs = []  # each layer's output, caught by hooks rather than return_all_hiddens
+    for layer in model.encoder.layers:
+        layer.register_forward_hook(lambda _m, _i, out: outs.append(out))
+    with torch.no_grad():
+        emb, _ = model.encoder.forward_embedding(batch["src_tokens"])
+        final = model.encoder(batch["src_tokens"], src_lengths=batch["src_lengths"])
+    keep = batch["src_tokens"].ne(task.source_dictionary.pad())  # (B, T)
+    want = [pairwise_cos_by_matrix(emb[keep])] + [
+        pairwise_cos_by_matrix(o.transpose(0, 1)[keep]) for o in outs]
+    row = grid["rows"][scheme]
+    assert json.loads(row["encoder_cos_layers"]) == pytest.approx(want, abs=1e-3)
+    assert float(row["encoder_cos"]) == pytest.approx(
+        pairwise_cos_by_matrix(final["encoder_out"][0].transpose(0, 1)[keep]), abs=1e-4)
+    assert -1.0 <= float(row["encoder_cos_init"]) <= 1.0
+
+
+def test_backfill_fills_the_encoder_columns_of_a_row_without_them(grid, module, tmp_path):
+    import shutil
+
+    from depthstudy.report import write_rows  # on the path since the study module loaded
+
+    out = tmp_path / "out"
+    shutil.copytree(grid["out"], out)
+    rows = module.read_rows(out / "results.csv")
+    want = {r["key"]: (r["encoder_cos"], r["encoder_cos_layers"]) for r in rows}
+    assert all(v[0] for v in want.values())
+    for r in rows:
+        r.update(encoder_cos="", encoder_cos_init="", encoder_cos_layers="")
+    write_rows(out / "results.csv", rows)
+    proc = study("--out", out, "--report-only")
+    assert "encoder-collapse columns filled" in proc.stdout + proc.stderr
+    got = {r["key"]: (r["encoder_cos"], r["encoder_cos_layers"])
+           for r in module.read_rows(out / "results.csv")}
+    assert got == want

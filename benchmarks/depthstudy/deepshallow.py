@@ -150,6 +150,13 @@ def fewest_distinct(rs) -> str:
     return str(min(counts)) if counts else "-"
 
 
+def most_collapsed(rs) -> str:
+    """The highest encoder cos (``depthstudy.probe``: mean cosine between the encoder outputs
+    of two different source tokens) among the runs that recorded it ('-' if none did)."""
+    values = [float(r["encoder_cos"]) for r in rs if r.get("encoder_cos")]
+    return f"{max(values):.2f}" if values else "-"
+
+
 def read_speed(path: Path):
     """``{(kind, scheme, shape, engine, precision, batch, threads): row}`` of a deploy-speed
     CSV ({} without the file)."""
@@ -326,10 +333,13 @@ def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
              "(fairseq-generate with the plugin, batch 64, 1 thread, where the scheme cannot "
              "be exported). Distinct: the fewest different translations of the 1000 test "
              "sentences over the seeds (a few hundred or less: the decoder ignores most of the "
-             "source, whatever the status says).", "",
+             "source, whatever the status says). Encoder cos: the highest over the seeds "
+             "probed of the mean cosine between the encoder outputs of two different source "
+             "tokens (200 validation sentences; 1: a collapsed encoder that gives the decoder "
+             "one vector whatever the source).", "",
              "| shape | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
-             "deployed sentences/s | ratio to 6L-6L | distinct |",
-             "|---|---|---|---:|---|---|---|---:|---:|---:|"]
+             "deployed sentences/s | ratio to 6L-6L | distinct | encoder cos |",
+             "|---|---|---|---:|---|---|---|---:|---:|---:|---:|"]
     for (scheme, depth, _pos), rs in groups.items():
         x, key = cell_speed(speed, scheme, depth)
         shown = "-" if x is None else f"{x:.1f}" + ("" if key == X_SPEED else " (plugin)")
@@ -337,12 +347,12 @@ def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
         ratio = "-" if own is None else f"{own:.2f}"
         if not rs:
             lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | {shown} | "
-                         f"{ratio} | - |")
+                         f"{ratio} | - | - |")
             continue
         lines.append(f"| {depth} | {scheme} | {','.join(r['seed'] for r in rs)} | {len(rs)} | "
                      f"{fmt_mean([r['bleu'] for r in rs], 2)} | "
                      f"{fmt_mean([r['best_valid_nll'] for r in rs], 3)} | {failures(rs)} | "
-                     f"{shown} | {ratio} | {fewest_distinct(rs)} |")
+                     f"{shown} | {ratio} | {fewest_distinct(rs)} | {most_collapsed(rs)} |")
     lines += ["", fastest_line(groups, speed), ""]
     if speed_rows:
         cpu = sorted({r["cpu"] for r in speed_rows})

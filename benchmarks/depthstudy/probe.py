@@ -14,7 +14,16 @@ one JSON object:
   validation sentence (sentence ``i`` gets the source of ``i + 1``, the last the first's);
 * ``source_gain``: ``valid_nll_other_source - valid_nll``. A decoder that reads the source
   loses bits when it is given another sentence's; one that ignores the source (a German
-  language model) loses nothing, so "ignores the source" is a number (about 0), not a guess.
+  language model) loses nothing, so "ignores the source" is a number (about 0), not a guess;
+* ``encoder_cos``: why it may ignore it: the mean cosine between the encoder outputs of two
+  different source tokens of the first ``COLLAPSE_SENTENCES`` validation sentences (all
+  their tokens pooled), in ``checkpoint_best.pt``; 1 is a collapsed encoder that gives the
+  decoder one vector whatever the source
+  (``fairseq_admin_pos.cli.analysis.measure.encoder_token_cosines``);
+  ``encoder_cos_init`` the same for the model training started from (the checkpoint's flags
+  and seed, as ``fairseq-admin-analyze --checkpoint`` builds it; a profiled Admin profiled on
+  these sentences), and ``encoder_cos_layers`` the checkpoint's after the embedding and after
+  each encoder layer.
 """
 from __future__ import annotations
 
@@ -26,6 +35,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: residual modules of each layer, in execution order (as fairseq_admin_pos.models.admin_profile)
+#: validation sentences of the encoder-collapse measure (about 2,600 tokens of Multi30k)
+COLLAPSE_SENTENCES = 200
 SUBLAYERS = {
     "encoder": ("self_attn_residual", "final_residual"),
     "decoder": ("self_attn_residual", "encoder_attn_residual", "final_residual"),
@@ -88,6 +99,24 @@ def valid_nll(model, task, other_source: bool, batch_sentences: int = 64) -> flo
     return total / tokens / math.log(2)
 
 
+def encoder_collapse(best: Path, data: Path, sentences: int = COLLAPSE_SENTENCES) -> dict:
+    """``encoder_cos``, ``encoder_cos_init`` and ``encoder_cos_layers`` (module docstring)."""
+    from fairseq_admin_pos.cli.analysis.checkpoint import load_checkpoint
+    from fairseq_admin_pos.cli.analysis.measure import encoder_token_cosines
+    from fairseq_admin_pos.cli.analysis.variants import profile_admin
+
+    init_model, model, task, cfg, _ = load_checkpoint(str(best), str(data))
+    task.load_dataset("valid")
+    ds = task.dataset("valid")
+    batch = ds.collater([ds[i] for i in range(min(sentences, len(ds)))])["net_input"]
+    if init_model.admin_settings["admin_init"] == "profile":
+        profile_admin(init_model, batch, seed=cfg.common.seed)
+    trained = encoder_token_cosines(model, batch)
+    return dict(encoder_cos=round(trained[-1], 4),
+                encoder_cos_init=round(encoder_token_cosines(init_model, batch)[-1], 4),
+                encoder_cos_layers=[round(c, 3) for c in trained[:-1]])
+
+
 def probe(data: Path, best: Path, last: Path) -> dict:
     import torch
 
@@ -103,6 +132,7 @@ def probe(data: Path, best: Path, last: Path) -> dict:
     other = valid_nll(model, task, other_source=True)
     result.update(valid_nll=round(same, 4), valid_nll_other_source=round(other, 4),
                   source_gain=round(other - same, 4))
+    result.update(encoder_collapse(best, data))
     return result
 
 

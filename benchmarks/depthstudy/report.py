@@ -28,6 +28,8 @@ CSV_FIELDS = [
     "source_gain",
     # fairseq --clip-norm (rows written before this column: 0, the demo recipe's)
     "clip_norm",
+    # issue 41: how alike the encoder makes different source tokens (depthstudy.probe)
+    "encoder_cos", "encoder_cos_init", "encoder_cos_layers",
 ]
 
 
@@ -180,6 +182,13 @@ def _gnorm_cell(gnorms: str) -> str:
                      for e, d in zip(g["enc_gnorm"], g["dec_gnorm"]))
 
 
+def _collapse_cell(r) -> str:
+    if not r.get("encoder_cos"):
+        return "-"
+    init = f"{float(r['encoder_cos_init']):.3f}" if r.get("encoder_cos_init") else "-"
+    return f"{init}; {float(r['encoder_cos']):.3f}"
+
+
 def write_table(rows, path: Path, planned=()) -> None:
     """Per study: the summary over seeds, every row, and (for the running plan) the rows
     still missing; then the commands of every row."""
@@ -196,9 +205,9 @@ def write_table(rows, path: Path, planned=()) -> None:
             "", "Every run:", "",
             "| # | depth | positions | scheme | seed | updates | status | final train nll (bits) | "
             "best valid nll (bits) / ppl | BLEU | distinct translations | source gain (bits) | "
-            "grad norm enc / dec (warmup; after) | "
+            "encoder cos (init; trained) | grad norm enc / dec (warmup; after) | "
             "final shortcut weights / position scale | train wall (s) | updates/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rs:
             n += 1
@@ -212,8 +221,8 @@ def write_table(rows, path: Path, planned=()) -> None:
                 f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
                 f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
                 f"{r['distinct_hyps'] or '-'} | {_mean_spread([r['source_gain']], 4)} | "
-                f"{_gnorm_cell(r['gnorms'])} | {shown} | {r['train_wall_s']} | "
-                f"{r['updates_per_s']} |"
+                f"{_collapse_cell(r)} | {_gnorm_cell(r['gnorms'])} | {shown} | "
+                f"{r['train_wall_s']} | {r['updates_per_s']} |"
             )
         missing = [m for m in planned if m[0] == study]
         if missing:

@@ -197,23 +197,33 @@ def probe_run(root: Path, save_dir: Path, env) -> dict:
         return {}
 
 
+def _num(probed, k) -> str:
+    return f"{probed[k]:.4f}" if k in probed else ""
+
+
 def diagnostics(scheme_flags, log_text, enc, dec, omega_file, curve, warmup, probed) -> dict:
     """The issue-22 columns of a row: omegas at initialisation and at the end per sub-layer,
-    per-stack gradient norms (warmup / after), the probe's source measure."""
+    per-stack gradient norms (warmup / after), the probe's source and encoder measures."""
     def dump(v):
         return json.dumps(v, sort_keys=True) if v else ""
-
-    def num(k):
-        return f"{probed[k]:.4f}" if k in probed else ""
 
     return {
         "init_omegas": dump(init_omegas(scheme_flags, log_text, enc, dec, omega_file)),
         "final_omegas": dump(probed.get("final_omegas")),
         "gnorms": dump(gnorm_summary(curve, warmup)),
-        "probe_valid_nll": num("valid_nll"),
-        "valid_nll_other_source": num("valid_nll_other_source"),
-        "source_gain": num("source_gain"),
+        "probe_valid_nll": _num(probed, "valid_nll"),
+        "valid_nll_other_source": _num(probed, "valid_nll_other_source"),
+        "source_gain": _num(probed, "source_gain"),
+        **collapse_columns(probed),
     }
+
+
+def collapse_columns(probed) -> dict:
+    """The probe's encoder-collapse columns of a row ('' where it has none)."""
+    layers = probed.get("encoder_cos_layers")
+    return {"encoder_cos": _num(probed, "encoder_cos"),
+            "encoder_cos_init": _num(probed, "encoder_cos_init"),
+            "encoder_cos_layers": json.dumps(layers) if layers else ""}
 
 
 def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions="sinusoidal"):
@@ -393,17 +403,28 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
 
 
 def backfill(args, root: Path, csv_path: Path) -> None:
-    """Fill the issue-22 columns of rows recorded without them whose run folder is still in
-    ``OUT/runs``: omegas at initialisation and gradient norms from its train.log, the probe
-    from its checkpoints where they were kept (``--keep-checkpoints``). A row is filled once;
-    the probes run outside the CSV lock, and the rows are merged by key under it."""
+    """Fill the probe's columns of rows recorded without them whose run folder is still in
+    ``OUT/runs``. Rows without the issue-22 columns: omegas at initialisation and gradient
+    norms from its train.log, the probe from its checkpoints where they were kept
+    (``--keep-checkpoints``); rows with them but without issue 41's encoder-collapse columns:
+    those, from the kept checkpoints. A row is filled once; the probes run outside the CSV
+    lock, and the rows are merged by key under it."""
     filled = {}
     for r in read_rows(csv_path):
-        if r["init_omegas"] or r["gnorms"] or r["source_gain"] or not r["curve_file"]:
+        if not r["curve_file"] or r["scheme"] not in SCHEMES:
             continue
         run_dir = args.out / Path(r["curve_file"]).parent
         log_file = run_dir / "train.log"
-        if not log_file.is_file() or r["scheme"] not in SCHEMES:
+        if r["init_omegas"] or r["gnorms"] or r["source_gain"]:
+            if r["encoder_cos"] or not (run_dir / "ckpt" / "checkpoint_best.pt").is_file():
+                continue
+            probed = probe_run(root, run_dir / "ckpt", fairseq_env(args.threads))
+            if "encoder_cos" in probed:
+                filled[r["key"]] = collapse_columns(probed)
+                log(f"{r['key']}: encoder-collapse columns filled (encoder cos "
+                    f"{filled[r['key']]['encoder_cos']})")
+            continue
+        if not log_file.is_file():
             continue
         probed = probe_run(root, run_dir / "ckpt", fairseq_env(args.threads))
         omega_file = run_dir / "omegas.json" if r["scheme"] in OMEGA_VARIANTS else None

@@ -128,3 +128,31 @@ def output_change(model, n, eps: float, trials: int, which: str, seed: int) -> T
             for p, s in zip(params, saved):
                 p.copy_(s)
     return sum(enc) / trials, sum(dec) / trials
+
+
+def mean_pairwise_cosine(vectors: torch.Tensor) -> float:
+    """Mean cosine similarity over all pairs of different rows of ``vectors`` ``(N, C)``,
+    N >= 2: ``(|sum_i u_i|^2 - N) / (N (N - 1))`` with ``u_i`` the unit rows (float64), so
+    without the ``N x N`` matrix. 1 when every row points the same way; about 0 for
+    unrelated directions."""
+    if vectors.size(0) < 2:
+        raise ValueError(f"mean_pairwise_cosine needs 2 or more rows, got {vectors.size(0)}")
+    u = torch.nn.functional.normalize(vectors.double(), dim=-1)
+    n = u.size(0)
+    return float((u.sum(0).pow(2).sum() - n) / (n * (n - 1)))
+
+
+def encoder_token_cosines(model, n) -> List[float]:
+    """How alike the encoder makes different source tokens: :func:`mean_pairwise_cosine` over
+    every non-pad token of the batch ``n`` (tokens of all sentences pooled), after the
+    embedding, after each encoder layer, and of the encoder output (after the final
+    LayerNorm of Pre-LN stacks: what the decoder's cross-attention reads). A last value near
+    1 is a collapsed encoder: every token of every sentence gives the decoder one vector, so
+    its output cannot depend on the source (Dong et al. 2021, "Attention is not all you
+    need: pure attention loses rank doubly exponentially with depth")."""
+    with torch.no_grad():
+        enc = model.encoder(n["src_tokens"], src_lengths=n["src_lengths"],
+                            return_all_hiddens=True)
+    keep = ~enc["encoder_padding_mask"][0].transpose(0, 1)  # (T, B)
+    stages = list(enc["encoder_states"]) + [enc["encoder_out"][0]]
+    return [mean_pairwise_cosine(x[keep]) for x in stages]
