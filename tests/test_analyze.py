@@ -278,6 +278,38 @@ def test_checkpoint_weights_are_the_checkpoints(trained):
     assert "encoder      0  self-attn omega" in stdout
 
 
+def _cos_by_matrix(x):
+    """Mean cosine over pairs of different rows, from the full N x N matrix."""
+    u = torch.nn.functional.normalize(x.double(), dim=-1)
+    c = u @ u.T
+    return ((c.sum() - c.diagonal().sum()) / (c.size(0) * (c.size(0) - 1))).item()
+
+
+@pytest.mark.parametrize("which", ["initialisation", "checkpoint"])
+def test_checkpoint_encoder_cos_matches_recomputation(trained, tiny_data, which):
+    ckpt, out, stdout = trained
+    rows = list(csv.DictReader(open(out / "checkpoint_encoder_cos.csv")))
+    assert [r["stage"] for r in rows] == ["embedding", "layer 0", "layer 1", "output"]
+    # independently: each layer's output caught by a hook, every pair of real tokens of the
+    # first seed's batch compared
+    model, task, _ = build(tiny_data, "admin_transformer", CKPT_MODEL, seed=TRAIN_SEED)
+    if which == "checkpoint":
+        model.load_state_dict(load_model_state(ckpt))
+    model.eval()
+    n = analyze.random_batch(task, 6, 9, 1)
+    outs = []
+    for layer in model.encoder.layers:
+        layer.register_forward_hook(lambda _m, _i, o: outs.append(o.transpose(0, 1)))
+    with torch.no_grad():
+        emb, _ = model.encoder.forward_embedding(n["src_tokens"])
+        final = model.encoder(n["src_tokens"], src_lengths=n["src_lengths"])
+    keep = n["src_tokens"].ne(task.source_dictionary.pad())
+    want = [_cos_by_matrix(t[keep]) for t in
+            [emb] + outs + [final["encoder_out"][0].transpose(0, 1)]]
+    assert [float(r[which]) for r in rows] == pytest.approx(want, abs=1e-5)
+    assert f"{which} {want[-1]:.3f}" in stdout
+
+
 def test_checkpoint_init_model_is_the_one_training_started_from(trained, tiny_data):
     ckpt, _, _ = trained
     init_model, model, _, _, num_updates = analyze.load_checkpoint(str(ckpt))

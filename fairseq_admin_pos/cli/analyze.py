@@ -51,7 +51,9 @@ checkpoint's weights and for the model training started from (the checkpoint's f
 built with its ``--seed`` the way ``fairseq-train`` builds it), on the same batches and
 perturbations, and the shortcut weights of every sub-layer (mean, min, max over Admin's
 omega vectors; ReZero's scalars; the scaled sinusoid's scale) at initialisation and in the
-checkpoint. It writes ``checkpoint_output_change.csv`` and ``checkpoint_weights.csv``.
+checkpoint, and how alike its encoder makes different source tokens (the encoder token
+cosine per layer: near 1, a collapsed encoder). It writes ``checkpoint_output_change.csv``,
+``checkpoint_weights.csv`` and ``checkpoint_encoder_cos.csv``.
 
 This module is the command line (flags, their checks, the printed output); the measurement,
 the depth study, the checkpoint analysis and the plot live in :mod:`.analysis`.

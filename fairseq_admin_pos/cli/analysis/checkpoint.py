@@ -2,15 +2,16 @@
 model and the model training started from (its flags, built with its ``--seed`` the way
 ``fairseq-train`` builds it), their output change on the same batches and perturbations,
 and the shortcut weights of every sub-layer (Admin's omegas, ReZero's scalars, the scaled
-sinusoid's scale) at initialisation and in the checkpoint; ``checkpoint_output_change.csv``,
-``checkpoint_weights.csv`` and the printed table."""
+sinusoid's scale) at initialisation and in the checkpoint, and both encoders' token cosines
+per layer; ``checkpoint_output_change.csv``, ``checkpoint_weights.csv``,
+``checkpoint_encoder_cos.csv`` and the printed table."""
 from __future__ import annotations
 
 import csv
 import logging
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,7 +19,7 @@ from fairseq import tasks, utils
 
 from fairseq_admin_pos.models import admin_profile
 
-from .measure import data_batch, output_change, random_batch
+from .measure import data_batch, encoder_token_cosines, output_change, random_batch
 from .variants import profile_admin
 
 # the tool's logger: its records carry the command's name
@@ -54,12 +55,15 @@ class WeightRow:
 @dataclass
 class CheckpointReport:
     """What ``--checkpoint`` measured: a one-line description of the checkpoint, the output
-    changes per model and seed, and the weights per sub-layer."""
+    changes per model and seed, the weights per sub-layer, and per model the encoder's token
+    cosines on the first batch (:func:`.measure.encoder_token_cosines`: after the embedding,
+    after each layer, of the output)."""
 
     path: str
     description: str
     changes: List[CheckpointChange]
     weights: List[WeightRow]
+    encoder_cos: Dict[str, List[float]]
 
 
 def _checkpoint_error(path: str, what: str) -> ValueError:
@@ -184,6 +188,9 @@ def measure_checkpoint(args) -> CheckpointReport:
     if init_model.admin_settings["admin_init"] == "profile":
         # what --admin-init profile does on the first training batch, here on the first batch
         profile_admin(init_model, batches[args.seed_list[0]], seed=cfg.common.seed)
+    first = batches[args.seed_list[0]]
+    encoder_cos = {"initialisation": encoder_token_cosines(init_model, first),
+                   "checkpoint": encoder_token_cosines(model, first)}
     changes = []
     for seed, net_input in batches.items():
         for name, m in (("initialisation", init_model), ("checkpoint", model)):
@@ -192,10 +199,17 @@ def measure_checkpoint(args) -> CheckpointReport:
             changes.append(CheckpointChange(name, seed, enc, dec))
             logger.info("%s seed=%d: encoder %.4g decoder %.4g", name, seed, enc, dec)
     description = _describe(args.checkpoint, cfg, init_model, num_updates)
-    return CheckpointReport(args.checkpoint, description, changes, weight_rows(init_model, model))
+    return CheckpointReport(args.checkpoint, description, changes, weight_rows(init_model, model),
+                            encoder_cos)
 
 
-def write_checkpoint_csvs(report: CheckpointReport, out_dir: str) -> Tuple[str, str]:
+def _cos_stages(n_values: int) -> List[str]:
+    """Labels of :func:`.measure.encoder_token_cosines`' values: the embedding, each layer,
+    the output."""
+    return ["embedding"] + [f"layer {i}" for i in range(n_values - 2)] + ["output"]
+
+
+def write_checkpoint_csvs(report: CheckpointReport, out_dir: str) -> Tuple[str, str, str]:
     os.makedirs(out_dir, exist_ok=True)
     change_path = os.path.join(out_dir, "checkpoint_output_change.csv")
     with open(change_path, "w", newline="") as f:
@@ -210,7 +224,14 @@ def write_checkpoint_csvs(report: CheckpointReport, out_dir: str) -> Tuple[str, 
         for r in report.weights:
             w.writerow([r.stack, r.layer, r.sublayer, r.weight,
                         *(f"{v:.6f}" for v in (r.init, r.mean, r.min, r.max))])
-    return change_path, weight_path
+    cos_path = os.path.join(out_dir, "checkpoint_encoder_cos.csv")
+    init, ckpt = report.encoder_cos["initialisation"], report.encoder_cos["checkpoint"]
+    with open(cos_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["stage", "initialisation", "checkpoint"])
+        for stage, a, b in zip(_cos_stages(len(ckpt)), init, ckpt):
+            w.writerow([stage, f"{a:.6f}", f"{b:.6f}"])
+    return change_path, weight_path, cos_path
 
 
 def checkpoint_table(report: CheckpointReport, args) -> str:
@@ -228,6 +249,13 @@ def checkpoint_table(report: CheckpointReport, args) -> str:
     ratio = [c / i if i > 0 else float("nan") for c, i in zip(mean["checkpoint"],
                                                                 mean["initialisation"])]
     lines.append(f"{'checkpoint/init':<16}{ratio[0]:>11.2f}x{ratio[1]:>11.2f}x")
+    lines.append("")
+    init, ckpt = report.encoder_cos["initialisation"], report.encoder_cos["checkpoint"]
+    lines.append("encoder token cosine (mean cosine between the encoder outputs of two different "
+                 "source tokens of the first batch; 1: a collapsed encoder, one vector for every "
+                 f"token): initialisation {init[-1]:.3f}, checkpoint {ckpt[-1]:.3f}; the "
+                 "checkpoint's after the embedding and after each layer: "
+                 + " ".join(f"{c:.3f}" for c in ckpt[:-1]))
     lines.append("")
     lines.append("weights (omega: LN(x * omega + f(x)); rezero: x + a * f(x); pos_scale: scaled "
                  "sinusoid), initialisation and checkpoint (mean, min, max over the vector):")
