@@ -194,6 +194,14 @@ def load_checkpoint(ckpt: Path) -> dict:
     return torch.load(ckpt, map_location="cpu")
 
 
+def cos_by_matrix(x: torch.Tensor) -> float:
+    """Mean cosine over the pairs of different rows of ``x`` ``(N, C)``, from the full N x N
+    matrix: the independent check of the package's encoder token cosine."""
+    u = torch.nn.functional.normalize(x.double(), dim=-1)
+    c = u @ u.T
+    return ((c.sum() - c.diagonal().sum()) / (c.size(0) * (c.size(0) - 1))).item()
+
+
 def load_model_state(ckpt: Path) -> Dict[str, torch.Tensor]:
     return load_checkpoint(ckpt)["model"]
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from fairseq_cli_utils import TINY_MODEL, load_model_state, run, train
+from fairseq_cli_utils import TINY_MODEL, cos_by_matrix, load_model_state, run, train
 from model_utils import build
 
 from fairseq_admin_pos.cli import analyze
@@ -278,13 +278,6 @@ def test_checkpoint_weights_are_the_checkpoints(trained):
     assert "encoder      0  self-attn omega" in stdout
 
 
-def _cos_by_matrix(x):
-    """Mean cosine over pairs of different rows, from the full N x N matrix."""
-    u = torch.nn.functional.normalize(x.double(), dim=-1)
-    c = u @ u.T
-    return ((c.sum() - c.diagonal().sum()) / (c.size(0) * (c.size(0) - 1))).item()
-
-
 @pytest.mark.parametrize("which", ["initialisation", "checkpoint"])
 def test_checkpoint_encoder_cos_matches_recomputation(trained, tiny_data, which):
     ckpt, out, stdout = trained
@@ -304,7 +297,7 @@ def test_checkpoint_encoder_cos_matches_recomputation(trained, tiny_data, which)
         emb, _ = model.encoder.forward_embedding(n["src_tokens"])
         final = model.encoder(n["src_tokens"], src_lengths=n["src_lengths"])
     keep = n["src_tokens"].ne(task.source_dictionary.pad())
-    want = [_cos_by_matrix(t[keep]) for t in
+    want = [cos_by_matrix(t[keep]) for t in
             [emb] + outs + [final["encoder_out"][0].transpose(0, 1)]]
     assert [float(r[which]) for r in rows] == pytest.approx(want, abs=1e-5)
     assert f"{which} {want[-1]:.3f}" in stdout

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from fairseq_cli_utils import load_model_state, run, write_fake_multi30k
+from fairseq_cli_utils import cos_by_matrix, load_model_state, run, write_fake_multi30k
 from study_utils import TINY, load_study_module, schedule_row, study
 
 DEPTH = ["--depths", "2L-2L"]  # the decoder needs 4+ sub-layers for a "bottom quarter"
@@ -231,16 +231,6 @@ def test_a_run_claimed_by_one_study_process_is_passed_over_by_another(module, tm
         assert again
 
 
-def pairwise_cos_by_matrix(x):
-    """Mean cosine over pairs of different rows, from the full N x N matrix."""
-    import torch
-
-    u = torch.nn.functional.normalize(x.double(), dim=-1)
-    c = u @ u.T
-    n = c.size(0)
-    return float((c.sum() - c.diagonal().sum()) / (n * (n - 1)))
-
-
 @pytest.mark.parametrize("scheme", ["admin-paper", "admin-paper-closed-bottom"])
 def test_encoder_cos_is_the_pairwise_cosine_of_the_checkpoints_encoder(grid, scheme):
     from argparse import Namespace
@@ -263,12 +253,12 @@ def test_encoder_cos_is_the_pairwise_cosine_of_the_checkpoints_encoder(grid, sch
         emb, _ = model.encoder.forward_embedding(batch["src_tokens"])
         final = model.encoder(batch["src_tokens"], src_lengths=batch["src_lengths"])
     keep = batch["src_tokens"].ne(task.source_dictionary.pad())  # (B, T)
-    want = [pairwise_cos_by_matrix(emb[keep])] + [
-        pairwise_cos_by_matrix(o.transpose(0, 1)[keep]) for o in outs]
+    want = [cos_by_matrix(emb[keep])] + [
+        cos_by_matrix(o.transpose(0, 1)[keep]) for o in outs]
     row = grid["rows"][scheme]
     assert json.loads(row["encoder_cos_layers"]) == pytest.approx(want, abs=1e-3)
     assert float(row["encoder_cos"]) == pytest.approx(
-        pairwise_cos_by_matrix(final["encoder_out"][0].transpose(0, 1)[keep]), abs=1e-4)
+        cos_by_matrix(final["encoder_out"][0].transpose(0, 1)[keep]), abs=1e-4)
     assert -1.0 <= float(row["encoder_cos_init"]) <= 1.0
 
 
