@@ -486,3 +486,21 @@ def test_publish_sets_the_warmup_plan_beside_the_demo_recipe(tmp_path, bench):
     publish(out, docs)
     assert "deep-shallow-warmup" not in published_block(
         docs, "<!-- deep_shallow table: start -->", "<!-- deep_shallow table: end -->")
+
+
+@pytest.mark.parametrize("base,why", [(None, "admin 6L-6L has no deployed speed"),
+                                      ("plugin", "admin 6L-6L was timed with another engine")])
+def test_fastest_line_says_why_a_ratio_is_missing(bench, base, why):
+    from depthstudy.deepshallow import X_FALLBACK, X_SPEED, fastest_line
+
+    groups = {("admin", "6L-6L"): [{"bleu": "30.00"}], ("admin", "12L-1L"): [{"bleu": "29.80"}]}
+    speed = {("cells", "admin", "12L-1L", *X_SPEED): {"sentences_per_s": "300.0",
+                                                      "ratio_to_6l6l": ""}}
+    if base:
+        speed["cells", "admin", "6L-6L", *X_FALLBACK] = {"sentences_per_s": "100.0"}
+    line = fastest_line(groups, speed)
+    assert line.endswith(f"**admin 12L-1L**, mean BLEU 29.80, 300.0 sentences/s (CTranslate2 "
+                         f"int8, batch 64, 1 thread), {why}, so no ratio is given.")
+    speed["cells", "admin", "6L-6L", *X_SPEED] = {"sentences_per_s": "150.0"}
+    assert fastest_line(groups, speed).endswith("2.00 times the speed of admin 6L-6L in the "
+                                                "same timing run.")

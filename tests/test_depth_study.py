@@ -205,14 +205,17 @@ def depth_study_module():
     return load_study_module()
 
 
-@pytest.mark.parametrize("scheme,positions", [("admin-paper", "sinusoidal"),
-                                              ("admin", "scaled-sinusoidal"),
-                                              ("mix-ln-dyt", "sinusoidal")])
-def test_every_planned_variant_is_known_to_this_checkout(depth_study_module, scheme, positions):
+def test_every_planned_variant_is_known_to_this_checkout(depth_study_module):
     # admin-paper's --radam-early-steps is listed by fairseq only once --optimizer radam is
-    # chosen: the check must not pass such a variant over
-    assert depth_study_module.unsupported_flags(scheme, positions,
-                                                depth_study_module.fairseq_env(1)) == []
+    # chosen: the check must not pass such a variant over. One help text per chosen
+    # optimizer serves every variant of a grid (the cache run_grid passes).
+    env, helps = depth_study_module.fairseq_env(1), {}
+    for scheme, positions in [("admin-paper", "sinusoidal"), ("admin", "scaled-sinusoidal"),
+                              ("mix-ln-dyt", "sinusoidal"), ("post-ln", "sinusoidal")]:
+        assert depth_study_module.unsupported_flags(scheme, positions, env, helps) == [], scheme
+    assert sorted(helps) == [(), ("--optimizer", "radam")]
+    assert "--radam-early-steps" in helps["--optimizer", "radam"]
+    assert "--radam-early-steps" not in helps[()] and "--admin-init" in helps[()]
 
 
 def test_a_flag_this_checkout_lacks_is_reported(depth_study_module, monkeypatch):

@@ -208,15 +208,14 @@ def fastest_line(groups, speed) -> str:
         return head + (f"None of the {len(near)} cells within {BLEU_MARGIN} BLEU of it has a "
                        "deployed speed yet, so no fastest model is named.")
     x, key, c = max(timed, key=lambda t: t[0])
-    base, base_key = cell_speed(speed, c[0], "6L-6L")
     how = _engine_label(key)
-    if base is None:
+    value = cell_ratio(speed, c[0], c[1])
+    if value is not None:
+        ratio = f"{value:.2f} times the speed of {c[0]} 6L-6L in the same timing run"
+    elif cell_speed(speed, c[0], "6L-6L")[0] is None:
         ratio = f"{c[0]} 6L-6L has no deployed speed, so no ratio is given"
-    elif base_key != key:
+    else:  # cell_ratio's only other None: the 6L-6L was timed with another engine
         ratio = f"{c[0]} 6L-6L was timed with another engine, so no ratio is given"
-    else:
-        ratio = (f"{cell_ratio(speed, c[0], c[1]):.2f} times the speed of {c[0]} 6L-6L "
-                 "in the same timing run")
     return (head + f"Fastest within {BLEU_MARGIN} BLEU of it ({len(near)} cells qualify, "
             f"{len(timed)} of them timed): **{c[0]} {c[1]}**, mean BLEU {means[c]:.2f}, "
             f"{x:.1f} sentences/s ({how}), {ratio}.")

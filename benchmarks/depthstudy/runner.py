@@ -54,16 +54,23 @@ def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, de
     return [str(c) for c in cmd]
 
 
-def unsupported_flags(scheme: str, positions: str, env) -> list:
+def unsupported_flags(scheme: str, positions: str, env, helps: dict | None = None) -> list:
     """Flags (or ``--optimizer`` values) of this variant that this checkout's fairseq-train
-    does not know: such runs are left for a later call instead of failing."""
+    does not know: such runs are left for a later call instead of failing.
+
+    ``helps`` caches fairseq-train's help text per chosen optimizer across the variants of
+    one grid: each ``--help`` is a fresh fairseq import, seconds per call."""
     flags = SCHEMES[scheme] + POSITIONS[positions]
     # fairseq lists an optimizer's own flags only when that optimizer is chosen
     at = flags.index("--optimizer") if "--optimizer" in flags else len(flags)
-    chosen = flags[at:at + 2]
-    cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
-           "--arch", "admin_transformer", *chosen, "--help"]
-    out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
+    chosen = tuple(flags[at:at + 2])
+    out = helps.get(chosen) if helps is not None else None
+    if out is None:
+        cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
+               "--arch", "admin_transformer", *chosen, "--help"]
+        out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
+        if helps is not None:
+            helps[chosen] = out
     missing = [f for f in flags if f.startswith("--") and f not in out]
     for i, f in enumerate(flags[:-1]):
         if f in ("--optimizer", "--encoder-pos-emb", "--pos-emb-scaled-table") and \
@@ -345,6 +352,7 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     lock = threading.Lock()
     env = fairseq_env(args.threads)
     known = {}  # (scheme, positions) -> (time asked, missing flags)
+    helps = {}  # chosen optimizer -> fairseq-train's help text, dropped when asked again
 
     def next_item():
         with lock:
@@ -352,7 +360,9 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                 variant = (item[0], item[3])
                 asked, missing = known.get(variant, (None, None))
                 if asked is None or (missing and time.time() - asked > 600):
-                    missing = unsupported_flags(*variant, env)
+                    if asked is not None:
+                        helps.clear()
+                    missing = unsupported_flags(*variant, env, helps)
                     known[variant] = (time.time(), missing)
                     if missing:
                         log(f"passing over {variant[0]} / {variant[1]}: this checkout's "
