@@ -452,7 +452,9 @@ def test_publish_sets_the_warmup_plan_beside_the_demo_recipe(tmp_path, bench):
             ("admin-paper", "12L-1L", "deep-shallow"): [(1, "trained", 19.2, 4.20, 1000)],
             ("admin", "12L-1L", "deep-shallow"): [(1, "trained", 27.4, 3.70, 1000),
                                                   (2, "trained", 24.4, 3.88, 1000)],
-            ("admin-paper", "24L-3L", "deep-shallow"): [(1, "stuck", 3.6, 5.03, 358)]}
+            ("admin-paper", "24L-3L", "deep-shallow"): [(1, "stuck", 3.6, 5.03, 358)],
+            ("post-ln", "12L-1L", "warmup"): [(1, "trained", 21.0, 3.90, 980)],
+            ("post-ln", "12L-1L", "deep-shallow"): [(1, "trained", 1.5, 5.2, 196)]}
     table = []
     for (scheme, shape, recipe), rs in runs.items():
         args = plan_args("deep-shallow-warmup" if recipe == "warmup" else "deep-shallow")
@@ -474,6 +476,10 @@ def test_publish_sets_the_warmup_plan_beside_the_demo_recipe(tmp_path, bench):
     ref = statistics.mean([33.26, 33.42]), statistics.stdev([33.26, 33.42])
     assert f"| 24L-3L | admin-paper | 1,2 | {ref[0]:.2f} +- {ref[1]:.2f} |" in block
     assert "| 24L-3L | admin | 1 | 34.08 | 2.994 | none | 1000 | - |" in block
+    # stock Post-LN at 12L-1L after the Admin pair; no Post-LN 24L-3L reference
+    assert block.index("| 12L-1L | admin | 1 |") < block.index(
+        "| 12L-1L | post-ln | 1 | 21.00 | 3.900 | none | 980 | 1.50 (seed 1) |")
+    assert "| 24L-3L | post-ln |" not in block and "stock Post-LN at 12L-1L" in block
     # the plan's 24L-1L cells are listed, not run
     assert "| 24L-1L | admin-paper | - | not run yet |" in block
     assert (f"- 12L-1L: admin-paper minus admin, mean BLEU: {24.5 - 27.0:+.2f} at lr 0.001, "

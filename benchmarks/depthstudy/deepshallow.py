@@ -264,7 +264,8 @@ def warmup_cells(rows):
     own = cell_rows(rows, WARMUP_PLAN, cells)
     if not any(own.values()):
         return {}
-    schemes = list(dict.fromkeys(c[0] for c in cells))
+    # the reference pair is --plan admin-warmup's schemes (no Post-LN 24L-3L was run there)
+    schemes = list(dict.fromkeys(s for s, _, _, _ in PLANS["admin-warmup"]))
     ref = [(s, WARMUP_REFERENCE, "sinusoidal") for s in schemes]
     return {**cell_rows(rows, WARMUP_PLAN, ref), **own}
 
@@ -282,14 +283,16 @@ def warmup_lines(wgroups, short):
     recipe, demo_recipe = _recipe(plan_args(WARMUP_PLAN)), _recipe(plan_args(PLAN))
     lines = ["", f"`--plan {WARMUP_PLAN}`: the paper's Admin and the closed form at issue 22's "
              f"longer warmup ({recipe}; the {WARMUP_REFERENCE} rows are `--plan "
-             f"admin-warmup`'s, the same recipe), beside the same cell at the demo recipe "
-             f"({demo_recipe}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} --out "
+             f"admin-warmup`'s, the same recipe), and stock Post-LN at 12L-1L (Kasai et al.'s "
+             "scheme, which fails here at the demo recipe), beside the same cell at the demo "
+             f"recipe ({demo_recipe}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} --out "
              "runs/depth_study --threads 1 --jobs 2`:", "",
              f"| shape | scheme | seeds | BLEU ({recipe}) | best valid nll (bits) | failures | "
              "distinct | BLEU at the demo recipe |",
              "|---|---|---|---|---|---|---:|---|"]
+    order = ["admin-paper", "admin"]
     for (scheme, depth, pos), rs in sorted(wgroups.items(), key=lambda kv: (
-            _shape_order(kv[0][1]), kv[0][0] != "admin-paper")):
+            _shape_order(kv[0][1]), order.index(kv[0][0]) if kv[0][0] in order else 2)):
         same = short.get((scheme, depth, pos), [])
         demo_bleu = fmt_mean([x["bleu"] for x in same], 2) + (
             f" (seed{'s' if len(same) > 1 else ''} {','.join(x['seed'] for x in same)})"

@@ -196,9 +196,12 @@ PLANS["deep-shallow"] = (
 )
 #: issue 41: the paper's Admin at the warmup issue 22 found to train (lr 1e-3, 2000 warmup
 #: updates, 2400 updates) in the 1-layer-decoder cells, with the closed form beside it: is the
-#: reported shallow-decoder divergence the short-warmup cause or another one
-PLANS["deep-shallow-warmup"] = [(s, d, 1, "sinusoidal") for d in ("12L-1L", "24L-1L")
-                                for s in ("admin-paper", "admin")]
+#: reported shallow-decoder divergence the short-warmup cause or another one. Stock Post-LN
+#: at 12L-1L beside them: it fails at the demo recipe (also at lr 1e-3 and 5e-4) where Kasai et
+#: al. trained it with 10x the warmup, so this recipe asks whether the warmup is the cause.
+PLANS["deep-shallow-warmup"] = (
+    [(s, "12L-1L", 1, "sinusoidal") for s in ("admin-paper", "admin", "post-ln")]
+    + [(s, "24L-1L", 1, "sinusoidal") for s in ("admin-paper", "admin")])
 PLAN_RECIPES["deep-shallow-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
 
 # --------------------------------------------------------------------------- norms 2025
