@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dispatch_utils import NoValueReads
-from fairseq_cli_utils import TINY_MODEL, USER_DIR, load_model_state, run, train
+from fairseq_cli_utils import TINY_MODEL, USER_DIR, cos_by_matrix, load_model_state, run, train
 from model_utils import build, build_trainer
 
 GNORM_KEYS = ("enc_gnorm", "dec_gnorm", "emb_gnorm")
@@ -96,8 +96,9 @@ def test_json_lines_have_the_stack_metrics(watched):
     summary = {k[len("train_"):] if k.startswith("train_") else k: v
                for k, v in summary[0].items()}
     for rec in inner + [summary]:
-        for key in GNORM_KEYS + STAT_KEYS + POS_KEYS:
+        for key in GNORM_KEYS + STAT_KEYS + POS_KEYS + ("enc_tok_cos",):
             assert key in rec, (key, sorted(rec))
+        assert -1 < rec["enc_tok_cos"] < 1
         # the groups partition the parameters: their squares sum to fairseq's gnorm
         # (each value rounded to 3 decimals)
         assert math.sqrt(sum(rec[k] ** 2 for k in GNORM_KEYS)) == pytest.approx(rec["gnorm"],
@@ -313,6 +314,42 @@ def test_resi_dual_dual_norms_match_a_hand_computation(tiny_data):
         assert values[f"{key}_dual_norm"] == pytest.approx(want, abs=6e-4)
     with metrics.aggregate(new_root=True), NoValueReads():
         monitoring.log_dual_norms(model)
+
+
+# --------------------------------------------------------------------------------------- #
+# the encoder token cosine (collapse)
+# --------------------------------------------------------------------------------------- #
+@pytest.mark.parametrize("extra", [[], ["--admin-residual", "resi-dual"],
+                                   ["--admin-init", "none", "--encoder-normalize-before",
+                                    "--decoder-normalize-before"]],
+                         ids=["admin", "resi-dual", "pre-ln"])
+def test_encoder_token_cosine_matches_the_full_matrix_of_the_updates_encoder_output(
+        tiny_data, extra):
+    """enc_tok_cos: the mean cosine between two different real source tokens' encoder
+    outputs (after the final LayerNorm where there is one) in the update's forward, recomputed
+    here from the full N x N matrix of that output (pads dropped by indexing, float64)."""
+    from fairseq.logging import metrics
+
+    from fairseq_admin_pos.models import monitoring
+
+    trainer = _trainer(tiny_data, "admin_transformer", [*extra, "--dropout", "0"])
+    model = trainer.get_model()
+    seen = {}
+    model.encoder.register_forward_hook(lambda m, a, out: seen.__setitem__(
+        "out", (out["encoder_out"][0].detach().clone(), out["encoder_padding_mask"][0])))
+    sample = next(iter(trainer.get_train_iterator(epoch=1).next_epoch_itr(shuffle=False)))
+    with metrics.aggregate(new_root=True) as agg:
+        trainer.train_step([sample])
+    out, pad = seen["out"]
+    assert pad.any()  # the batch has padding to leave out
+    want = cos_by_matrix(out[~pad.t()])
+    assert agg.get_smoothed_values()["enc_tok_cos"] == pytest.approx(want, abs=1e-4)
+    # validation forwards leave the training value alone
+    model.eval()
+    model.encoder(sample["net_input"]["src_tokens"][:1], src_lengths=None)
+    assert model.encoder.last_token_cos.item() == pytest.approx(want, abs=1e-4)
+    with metrics.aggregate(new_root=True), NoValueReads():
+        monitoring.log_token_cosine(model)
 
 
 @pytest.mark.parametrize("scheme", ["admin", "b2t", "peri-ln", "mix-ln"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "fairseq_admin_pos"
-PURE = ("admin", "errors", "norms", "placements", "positional", "profile_files",
+PURE = ("admin", "collapse", "errors", "norms", "placements", "positional", "profile_files",
         "profile_stats", "profiling", "schemes")
 STDLIB = {"__future__", "contextlib", "json", "math", "numbers", "os", "tempfile", "typing"}
 
@@ -67,6 +67,10 @@ assert abs(table[0, 0].item() - math.sin(3.0)) < 1e-6
 assert omegas_from_variances([1.0, 1.0], [3.0, 5.0]) == [1.0, 2.0]
 assert abs(deepnorm_constants(6, 6).encoder_alpha - 0.81 * (6 ** 4 * 6) ** (1 / 16)) < 1e-12
 assert torch.equal(ReZeroResidual()(x, f), x)
+from fairseq_admin_pos.collapse import token_cosine
+# two real tokens at 60 degrees and a pad: cosine 1/2
+pair = torch.tensor([[[1.0, 0.0]], [[0.5, math.sqrt(3) / 2]], [[9.0, 9.0]]])
+assert abs(token_cosine(pair, torch.tensor([[False, False, True]])).item() - 0.5) < 1e-6
 print("fairseq imported:", "fairseq" in sys.modules)
 """
 

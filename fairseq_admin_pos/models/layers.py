@@ -50,6 +50,7 @@ from fairseq.modules.transformer_layer import (
     TransformerEncoderLayerBase,
 )
 
+from fairseq_admin_pos.collapse import token_cosine
 from fairseq_admin_pos.speed.compile import compiled_forward
 
 # (embed_dim) -> residual module; built by the model from its flags.
@@ -439,7 +440,13 @@ class HostSyncFreeEncoderBase(TransformerEncoderBase):
     moved into :meth:`forward_layers`.
 
     Shapes: ``src_tokens`` ``(B, T)``; ``encoder_out`` ``[(T, B, C)]``.
+
+    In training forwards the stack records ``last_token_cos``, the encoder token cosine of
+    its output (:func:`fairseq_admin_pos.collapse.token_cosine`, a 0-dim tensor never read on
+    the host here), which the training monitor logs as ``enc_tok_cos``.
     """
+
+    last_token_cos: Optional[Tensor] = None
 
     def forward_scriptable(
         self,
@@ -469,6 +476,9 @@ class HostSyncFreeEncoderBase(TransformerEncoderBase):
 
         if self.layer_norm is not None:
             x = self.layer_norm(x)
+        if self.training and not torch.jit.is_scripting():
+            # what the decoder's cross-attention reads; ~1 = a collapsed encoder
+            self.last_token_cos = token_cosine(x, encoder_padding_mask)
 
         src_lengths = (
             src_tokens.ne(self.padding_idx)

@@ -24,6 +24,12 @@ the epoch summary, ``--log-format json`` and ``--tensorboard-logdir``):
                                            ``||d_N||_2``, the sum of every branch output
                                            of the stack before its LayerNorm, in the last
                                            training batch of each update
+``enc_tok_cos``                            encoder token cosine: the mean cosine between
+                                           the encoder outputs of two different real
+                                           source tokens of the last training batch of
+                                           each update (:mod:`fairseq_admin_pos.collapse`);
+                                           near 1 = a collapsed encoder, whose decoder
+                                           cannot use the source
 =========================================  ==============================================
 
 Only what exists and trains is logged: fixed omegas (``--admin-omega buffer``, profiled
@@ -33,12 +39,18 @@ adds nothing here; neither do Peri-LN and Mix-LN (LayerNorms in other places). D
 ``alpha`` tracks ``1 / std`` of its input in the paper (Zhu et al. 2025, Fig. 8), so its
 spread over a stack shows how the activation scale changes with depth and training. The
 dual stream is what ResiDual adds to watch: it grows with depth and
-training (the paper's fp16 remark, Appendix G.3), and here it is carried in float32.
+training (the paper's fp16 remark, Appendix G.3), and here it is carried in float32. The
+encoder token cosine is logged for every scheme: in this package's depth study every
+deep-encoder run whose decoder ended up ignoring the source had an encoder at 1.000, and
+every run that trained stayed at 0.61 or less, so a climb towards 1 in the ``train_inner``
+lines is the failure announcing itself (docs/results.md, "Encoder collapse across the
+study"); its cost is one normalisation of the encoder output per training forward.
 
 The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
 ``gnorm``; so are the dual-stream norms (each update's value is the stack's
 ``last_dual_norm``, a 0-dim tensor the ResiDual stack computes in its training forward,
-``models/b2t_resi_dual.py``). ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²`` (a criterion's own parameters
+``models/b2t_resi_dual.py``) and the encoder token cosine (the encoder's
+``last_token_cos``, ``models/layers.py``). ``enc_gnorm² + dec_gnorm² + emb_gnorm² = gnorm²`` (a criterion's own parameters
 count in ``gnorm`` only). Embeddings are a group of
 their own because with ``--share-all-embeddings`` one matrix serves the encoder input, the
 decoder input and the output projection; counting it in a stack would make that stack's
@@ -97,6 +109,8 @@ _SHORTCUT_ROUND = 4
 _POS_SCALE_ROUND = 5  # starts at 1/sqrt(d): 0.0442 for d = 512
 _DUAL_PRIORITY = 700
 _DUAL_ROUND = 3
+_TOKEN_COS_PRIORITY = 710
+_TOKEN_COS_ROUND = 4
 
 
 def gradient_group(name: str) -> Optional[str]:
@@ -257,6 +271,14 @@ def log_dual_norms(model: nn.Module) -> None:
         metrics.log_scalar(name, value, priority=_DUAL_PRIORITY + i, round=_DUAL_ROUND)
 
 
+def log_token_cosine(model: nn.Module) -> None:
+    # averaged over the interval like the dual norms: it is a statistic of the batch
+    value = getattr(model.encoder, "last_token_cos", None)
+    if value is not None:
+        metrics.log_scalar("enc_tok_cos", value, priority=_TOKEN_COS_PRIORITY,
+                           round=_TOKEN_COS_ROUND)
+
+
 def _monitored(trainer) -> Optional[nn.Module]:
     model = trainer.get_model()
     return model if isinstance(model, AdminTransformerModel) else None
@@ -328,6 +350,7 @@ def _wrap_set_num_updates(set_num_updates):
             log_group_norms(norms)
         log_shortcut_stats(model)
         log_dual_norms(model)
+        log_token_cosine(model)
 
     wrapper.__admin_monitoring__ = True
     return wrapper

@@ -14,6 +14,8 @@ import fairseq_admin_pos  # noqa: F401  (registers admin_transformer)
 from fairseq import options, tasks, utils
 from fairseq.data import data_utils
 
+from fairseq_admin_pos.collapse import mean_pairwise_cosine
+
 PERTURB_CHOICES = ("branches", "all")
 
 
@@ -130,20 +132,9 @@ def output_change(model, n, eps: float, trials: int, which: str, seed: int) -> T
     return sum(enc) / trials, sum(dec) / trials
 
 
-def mean_pairwise_cosine(vectors: torch.Tensor) -> float:
-    """Mean cosine similarity over all pairs of different rows of ``vectors`` ``(N, C)``,
-    N >= 2: ``(|sum_i u_i|^2 - N) / (N (N - 1))`` with ``u_i`` the unit rows (float64), so
-    without the ``N x N`` matrix. 1 when every row points the same way; about 0 for
-    unrelated directions."""
-    if vectors.size(0) < 2:
-        raise ValueError(f"mean_pairwise_cosine needs 2 or more rows, got {vectors.size(0)}")
-    u = torch.nn.functional.normalize(vectors.double(), dim=-1)
-    n = u.size(0)
-    return float((u.sum(0).pow(2).sum() - n) / (n * (n - 1)))
-
-
 def encoder_token_cosines(model, n) -> List[float]:
-    """How alike the encoder makes different source tokens: :func:`mean_pairwise_cosine` over
+    """How alike the encoder makes different source tokens:
+    :func:`fairseq_admin_pos.collapse.mean_pairwise_cosine` over
     every non-pad token of the batch ``n`` (tokens of all sentences pooled), after the
     embedding, after each encoder layer, and of the encoder output (after the final
     LayerNorm of Pre-LN stacks: what the decoder's cross-attention reads). A last value near

@@ -1,0 +1,59 @@
+"""The encoder token cosine (fairseq_admin_pos/collapse.py): the training-time tensor form and
+the offline float form against the full N x N cosine matrix, pads left out, the collapsed and
+degenerate cases, and no host read."""
+import math
+
+import pytest
+import torch
+
+from dispatch_utils import NoValueReads
+from fairseq_cli_utils import cos_by_matrix
+from fairseq_admin_pos.collapse import mean_pairwise_cosine, token_cosine
+
+
+def padded_batch(seed: int, shared: float):
+    """``(x (T, B, C), pad_mask (B, T))``: rows ``shared * d + noise`` (one direction ``d``
+    for every token, so the cosine grows with ``shared``), left-padded sentences of 3..T
+    tokens whose pad positions hold large values the measure must ignore."""
+    g = torch.Generator().manual_seed(seed)
+    t, b, c = 7, 5, 16
+    d = torch.randn(c, generator=g)
+    x = shared * d + torch.randn(t, b, c, generator=g)
+    lengths = torch.randint(3, t + 1, (b,), generator=g)
+    pad = torch.arange(t).unsqueeze(0) < (t - lengths).unsqueeze(1)  # (B, T), left padding
+    x[pad.t()] = 1e3
+    return x, pad
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("shared", [0.0, 1.0, 4.0])
+def test_token_cosine_is_the_mean_of_the_full_cosine_matrix_over_real_tokens(seed, shared):
+    x, pad = padded_batch(seed, shared)
+    real = x[~pad.t()]  # (N, C), the pads dropped by indexing
+    want = cos_by_matrix(real)
+    assert token_cosine(x, pad).item() == pytest.approx(want, abs=2e-6)
+    assert mean_pairwise_cosine(real) == pytest.approx(want, abs=1e-12)
+    # a shared direction makes tokens alike: the value orders the cases
+    if shared == 4.0:
+        assert want > 0.8
+    if shared == 0.0:
+        assert abs(want) < 0.1
+
+
+def test_collapsed_tokens_give_one_and_a_single_token_gives_nan():
+    x = torch.randn(16).expand(6, 3, 16) * torch.rand(6, 3, 1).add(0.5)  # one direction
+    none = torch.zeros(3, 6, dtype=torch.bool)
+    assert token_cosine(x, none).item() == pytest.approx(1.0, abs=1e-6)
+    one = torch.ones(3, 6, dtype=torch.bool)
+    one[1, 4] = False
+    assert math.isnan(token_cosine(x, one).item())
+    with pytest.raises(ValueError, match="2 or more rows"):
+        mean_pairwise_cosine(x[0, :1])
+
+
+def test_token_cosine_reads_nothing_back_and_builds_no_graph():
+    x, pad = padded_batch(3, 1.0)
+    x.requires_grad_(True)
+    with NoValueReads():
+        value = token_cosine(x, pad)
+    assert value.dim() == 0 and value.dtype == torch.float32 and not value.requires_grad
