@@ -86,6 +86,10 @@ def test_losses_and_status_recomputed_from_fairseqs_log(grid, scheme, seed):
     expected = ("diverged" if nll[-1] > min(nll) + 1.0
                 else "stuck" if best_nll > h - 1.0 else "trained")
     assert r["status"] == expected
+    # the curve keeps the monitor's encoder token cosine of every logged update
+    curve = json.loads((run_dir(grid, scheme, seed) / "curve.json").read_text())
+    assert [p["enc_tok_cos"] for p in curve["train"]] == [float(t["enc_tok_cos"])
+                                                          for t in train]
 
 
 @pytest.mark.parametrize("scheme,seed", [("post-ln", "2"), ("admin", "1")])

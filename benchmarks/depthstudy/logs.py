@@ -10,6 +10,8 @@ LOG_RE = re.compile(r"\| (train_inner|train|valid) \| (\{.*\})\s*$")
 
 #: per-stack gradient norms of fairseq_admin_pos.models.monitoring, kept in the curves
 GNORM_KEYS = ("enc_gnorm", "dec_gnorm", "emb_gnorm")
+#: the monitor's encoder token cosine (collapse as it happens), kept in the curves too
+CURVE_KEYS = GNORM_KEYS + ("enc_tok_cos",)
 
 
 def gnorm_summary(curve, warmup: int) -> dict:
@@ -41,8 +43,9 @@ def parse_curve(text: str):
         if tag == "train_inner":
             point = {"update": int(num("num_updates")), "loss": num("loss"),
                      "nll": num("nll_loss")}
-            # the training monitor's per-stack gradient norms (logs without them: none)
-            for k in GNORM_KEYS:
+            # the training monitor's per-stack gradient norms and encoder token cosine
+            # (older logs without them: none)
+            for k in CURVE_KEYS:
                 if k in stats:
                     point[k] = num(k)
             curve["train"].append(point)
