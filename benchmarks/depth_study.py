@@ -155,8 +155,8 @@ def build_parser():
                         "issue 41's encoder/decoder allocation (6-6, 12-3, 12-1, 24-1, 48-1 x "
                         "post-ln, pre-ln, admin, admin-paper, 3 seeds); deep-shallow-warmup = "
                         "admin-paper and admin at 12-1 and 24-1, post-ln at 12-1, with lr 1e-3, "
-                        "warmup 2000, 2400 updates; norms-2025 = issue 39's peri-ln, mix-ln and DyT in Pre-LN "
-                        "(pre-ln-dyt) at " + _DEEP_ENC + " and 12L-12L, 3 seeds (seed 1 of "
+                        "warmup 2000, 2400 updates; norms-2025 = issue 39's peri-ln, mix-ln and "
+                        "DyT in Pre-LN (pre-ln-dyt) at " + _DEEP_ENC + " and 12L-12L, 3 seeds (seed 1 of "
                         "every scheme first), with the pre-ln and post-ln rows of the same "
                         "cells; norms-2025-dyt = DyT in the other placements (peri-ln-dyt, "
                         "mix-ln-dyt, post-ln-dyt), the same cells and seeds")

@@ -44,8 +44,10 @@ def mean_pairwise_cosine(vectors: Tensor) -> float:
 def token_cosine(x: Tensor, pad_mask: Tensor) -> Tensor:
     """The mean pairwise cosine of the real tokens of ``x`` ``(T, B, C)`` (``pad_mask``
     ``(B, T)``, True at pads): a 0-dim float32 tensor on ``x``'s device, NaN with fewer than
-    two real tokens. No autograd, no host read."""
-    with torch.no_grad():
+    two real tokens. No autograd, no host read; float32 also under ``--amp``'s autocast,
+    which would run the product below in half precision, where ``|sum_i u_i|^2`` overflows
+    past about 256 tokens."""
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         xf = x.detach().float()
         real = (~pad_mask).t().to(xf.dtype)  # (T, B)
         # sum_i u_i as one (1, TB) @ (TB, C) product with per-token weights 1/|x_i| (0 at

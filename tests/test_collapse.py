@@ -57,3 +57,15 @@ def test_token_cosine_reads_nothing_back_and_builds_no_graph():
     with NoValueReads():
         value = token_cosine(x, pad)
     assert value.dim() == 0 and value.dtype == torch.float32 and not value.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_token_cosine_stays_float32_under_autocast(dtype):
+    # --amp runs the training forward under autocast: a half-precision product would overflow
+    # |sum_i u_i|^2 (about N^2 for alike tokens) past 65504 at a few hundred tokens
+    x = torch.randn(16).expand(40, 30, 16) + 0.1 * torch.randn(40, 30, 16)
+    pad = torch.zeros(30, 40, dtype=torch.bool)
+    want = cos_by_matrix(x.reshape(-1, 16))
+    with torch.autocast("cpu", dtype=dtype):
+        got = token_cosine(x, pad)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want, abs=2e-6)
