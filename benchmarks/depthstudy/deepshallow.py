@@ -20,7 +20,9 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from .courses import course_lines
 from .plan import PLAN_RECIPES, PLANS, PRESETS, run_key
+from .report import published_curve
 
 PLAN = "deep-shallow"
 #: the paper's Admin at issue 22's longer warmup in the 1-layer-decoder cells (plan.py)
@@ -318,9 +320,10 @@ def warmup_lines(wgroups, short):
     return lines
 
 
-def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
+def block(groups, speed_rows, shape_rows, figure: bool, warmup=None, courses=()) -> str:
     """The markdown between the markers; ``warmup``: ``(warmup_cells(rows), the same cells'
-    rows at the demo recipe)``, the warmup table's input, or None."""
+    rows at the demo recipe)``, the warmup table's input, or None; ``courses``: the lines of
+    ``courses.course_lines`` (the encoder token cosine while training), or none."""
     speed = {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
               r["threads"]): r for r in speed_rows}
     n_runs = sum(len(rs) for rs in groups.values())
@@ -385,6 +388,8 @@ def block(groups, speed_rows, shape_rows, figure: bool, warmup=None) -> str:
         lines += _speed_table(shape_rows)
     if warmup:
         lines += warmup_lines(*warmup)
+    if courses:
+        lines += [""] + list(courses)
     lines += ["", "Reproduce (the study, then the two speed runs, then this block):", "",
               "```bash"] + COMMANDS + ["```"]
     return "\n".join(lines) + "\n"
@@ -431,5 +436,9 @@ def fill_block(text: str, rows, dest: Path, log=print) -> str:
     log(f"deep-shallow block: {sum(len(v) for v in groups.values())} runs"
         + (f", {sum(len(v) for v in wgroups.values())} at the warmup recipe" if wgroups else "")
         + (f", figure {dest / FIGURE}" if figure else ""))
-    body = block(groups, speed_rows, shape_rows, figure, warmup)
+    # every run logged with the monitor's enc_tok_cos, from the curves publish() copied into
+    # dest (a study started again in a new folder keeps the earlier runs' courses)
+    courses = course_lines(rows, lambda r: published_curve(dest, r) if r.get("curve_file")
+                           else None, failure)
+    body = block(groups, speed_rows, shape_rows, figure, warmup, courses)
     return f"{head}{START}\n{body}{END}{tail}"

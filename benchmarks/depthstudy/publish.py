@@ -1,6 +1,6 @@
 """``--publish DIR``: the study's rows, figures and tables copied into the docs folder.
 
-Above the parts it gathers (imports flow one way: report <- plot <- deepshallow <- norms2025
+Above the parts it gathers (imports flow one way: report <- plot, courses <- deepshallow <- norms2025
 <- publish): the CSV and the curves (:mod:`.report`), the figures (:mod:`.plot`), the
 depth-study table block of ``results.md``, issue 41's deep-shallow block (:mod:`.deepshallow`)
 and issue 39's norms-2025 block (:mod:`.norms2025`).

@@ -1,0 +1,128 @@
+"""The encoder's collapse while training, run by run: the course of ``enc_tok_cos``.
+
+The training monitor (``fairseq_admin_pos/models/monitoring.py``) logs ``enc_tok_cos``, the
+mean cosine between the encoder outputs of two different real source tokens of each update's
+batch (``fairseq_admin_pos/collapse.py``; 1: every token gets the same output), and the
+study's curves keep it per logged update (``logs.CURVE_KEYS``). A run that trains also
+passes through a near-collapse while it first learns the target language, so the value at one
+update says little; what the docs read is its course. :func:`course` reduces a curve to the
+numbers they quote (first value, peak, value at the end of the warmup, the last update above
+:data:`COLLAPSE_LINE`, last value) and :func:`course_lines` sets every logged run's course in
+one table beside whether the run failed and its trained encoder's cosine measured offline
+(``probe.py``, eval mode, validation batch), with a sentence comparing the runs that trained
+and those that failed. Runs recorded before the monitor logged the value have no course.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional
+
+from .report import _row_order
+
+#: the line the docs read the courses against: above it, a near-collapse. Not a threshold the
+#: monitor acts on (it warns about nothing); the study's courses are too few to set one.
+COLLAPSE_LINE = 0.9
+KEY = "enc_tok_cos"
+
+
+def course(points: Iterable[dict], warmup: int) -> Optional[dict]:
+    """``points``: a curve's ``train`` list (``{"update": u, "enc_tok_cos": c, ...}``). Returns
+    ``first``, ``peak`` (the first update with the highest value), ``warmup`` (the last point
+    at or before update ``warmup``, None if none), ``end`` (the last point), each as
+    ``(update, value)``, and ``last_above``: the last update above :data:`COLLAPSE_LINE`
+    (None if none). Points without a finite value are left out; None when none is left."""
+    pts = []
+    for p in points:
+        v = p.get(KEY)
+        if v is None or v == "":
+            continue
+        v = float(v)
+        if math.isfinite(v):
+            pts.append((int(p["update"]), v))
+    if not pts:
+        return None
+    pts.sort()
+    peak = pts[0]
+    for pt in pts:
+        if pt[1] > peak[1]:
+            peak = pt
+    before = [pt for pt in pts if pt[0] <= warmup]
+    above = [u for u, v in pts if v > COLLAPSE_LINE]
+    return dict(first=pts[0], peak=peak, warmup=before[-1] if before else None, end=pts[-1],
+                last_above=above[-1] if above else None)
+
+
+def read_course(path: Optional[Path], warmup: int) -> Optional[dict]:
+    """:func:`course` of the curve file at ``path`` (None without a file or a logged value)."""
+    if path is None or not path.is_file():
+        return None
+    return course(json.loads(path.read_text()).get("train", []), warmup)
+
+
+def _pt(pt) -> str:
+    return "-" if pt is None else f"{pt[1]:.2f} ({pt[0]})"
+
+
+def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
+                 failure: Callable[[dict], str]) -> List[str]:
+    """The markdown table of every row whose curve logged ``enc_tok_cos`` (``curve_of(row)``:
+    its curve file or None; ``failure(row)``: why it failed, '' if it trained) and the
+    sentence comparing the last update above the line; ``[]`` when no row has a course."""
+    logged = []
+    for r in sorted(rows, key=_row_order):
+        c = read_course(curve_of(r), int(r["warmup"]))
+        if c is not None:
+            logged.append((r, c))
+    if not logged:
+        return []
+    lines = [f"The encoder token cosine while training (`{KEY}`, the training monitor's, "
+             "every 10th update's batch in train mode; value (update)), for every run logged "
+             f"with it; last above {COLLAPSE_LINE:g}: the last logged update whose value was "
+             f"above {COLLAPSE_LINE:g}; offline: the trained encoder's cosine from the probe "
+             "(eval mode, validation batch):", "",
+             "| shape | scheme | seed | recipe | outcome | first | peak | end of warmup | "
+             f"last above {COLLAPSE_LINE:g} | last | offline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    spans = {"trained": [], "failed": []}
+    for r, c in logged:
+        why = failure(r)
+        n = int(r["updates"] or r["max_update"])
+        share = None if c["last_above"] is None else c["last_above"] / n
+        spans["failed" if why else "trained"].append((c["last_above"], n, share))
+        lines.append(
+            f"| {r['depth']} | {r['scheme']} | {r['seed']} | lr {r['lr']}, warmup "
+            f"{r['warmup']}, {r['max_update']} updates | {why or 'trained'} | "
+            f"{_pt(c['first'])} | {_pt(c['peak'])} | {_pt(c['warmup'])} | "
+            f"{c['last_above'] if c['last_above'] is not None else 'never'} | "
+            f"{_pt(c['end'])} | {_offline(r)} |")
+    lines += ["", _spans_sentence(spans)]
+    return lines
+
+
+def _spans_sentence(spans) -> str:
+    def part(label, xs):
+        if not xs:
+            return f"no run {label} was logged"
+        never = sum(1 for u, _, _ in xs if u is None)
+        seen = [(u, n, s) for u, n, s in xs if u is not None]
+        text = f"{len(xs)} run{'s' if len(xs) > 1 else ''} {label}"
+        if seen:
+            lo, hi = min(s for _, _, s in seen), max(s for _, _, s in seen)
+            text += (f": last above {COLLAPSE_LINE:g} at {_pct(lo)}"
+                     + (f"-{_pct(hi)}" if hi != lo else "") + " of the run's updates")
+        if never:
+            text += f"{',' if seen else ':'} {never} never above it"
+        return text
+    return (f"Of the runs logged, {part('that trained', spans['trained'])}; "
+            f"{part('that failed', spans['failed'])}.")
+
+
+def _offline(r) -> str:
+    v = r.get("encoder_cos") or ""
+    return f"{float(v):.2f}" if v else "-"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
