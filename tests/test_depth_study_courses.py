@@ -173,3 +173,15 @@ def test_no_course_without_a_logged_value(tmp_path):
                depth="6L-6L", seed="1", warmup="400", status="trained")
     missing = tmp_path / "nope.json"
     assert courses.course_lines([row], lambda r: missing, failure) == []
+    # a row without its recipe columns (hand-made, or an older study's) and no curve: skipped
+    # before they are read; with a curve but no warmup: no end-of-warmup value
+    assert courses.course_lines([dict(key="x", curve_file="")], lambda r: None, failure) == []
+    curve = tmp_path / "c.json"
+    curve.write_text(json.dumps({"train": [{"update": 10, "enc_tok_cos": 0.95},
+                                           {"update": 20, "enc_tok_cos": 0.5}]}))
+    row.update(warmup="", lr="0.002", max_update="20", updates="20", source_gain="3.0")
+    lines = courses.course_lines([row], lambda r: curve, failure)
+    assert ("| 6L-6L | admin | 1 | lr 0.002, 20 updates | trained | 0.95 (10) | "
+            "0.95 (10) | - | 10 | 0.50 (20) | - |") in lines
+    assert lines[-1] == ("Of the runs logged, 1 run that trained: last above 0.9 at 50% of the "
+                         "run's updates; no run that failed was logged.")

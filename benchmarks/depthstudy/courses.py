@@ -27,10 +27,10 @@ COLLAPSE_LINE = 0.9
 KEY = "enc_tok_cos"
 
 
-def course(points: Iterable[dict], warmup: int) -> Optional[dict]:
+def course(points: Iterable[dict], warmup: Optional[int]) -> Optional[dict]:
     """``points``: a curve's ``train`` list (``{"update": u, "enc_tok_cos": c, ...}``). Returns
     ``first``, ``peak`` (the first update with the highest value), ``warmup`` (the last point
-    at or before update ``warmup``, None if none), ``end`` (the last point), each as
+    at or before update ``warmup``; None if none or without a ``warmup``), ``end`` (the last point), each as
     ``(update, value)``, and ``last_above``: the last update above :data:`COLLAPSE_LINE`
     (None if none). Points without a finite value are left out; None when none is left."""
     pts = []
@@ -48,13 +48,13 @@ def course(points: Iterable[dict], warmup: int) -> Optional[dict]:
     for pt in pts:
         if pt[1] > peak[1]:
             peak = pt
-    before = [pt for pt in pts if pt[0] <= warmup]
+    before = [] if warmup is None else [pt for pt in pts if pt[0] <= warmup]
     above = [u for u, v in pts if v > COLLAPSE_LINE]
     return dict(first=pts[0], peak=peak, warmup=before[-1] if before else None, end=pts[-1],
                 last_above=above[-1] if above else None)
 
 
-def read_course(path: Optional[Path], warmup: int) -> Optional[dict]:
+def read_course(path: Optional[Path], warmup: Optional[int]) -> Optional[dict]:
     """:func:`course` of the curve file at ``path`` (None without a file or a logged value)."""
     if path is None or not path.is_file():
         return None
@@ -71,12 +71,17 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
     its curve file or None; ``failure(row)``: why it failed, '' if it trained) and the
     sentence comparing the last update above the line; ``[]`` when no row has a course."""
     logged = []
-    for r in sorted(rows, key=_row_order):
-        c = read_course(curve_of(r), int(r["warmup"]))
+    for r in rows:
+        path = curve_of(r)
+        if path is None or not path.is_file():
+            continue  # checked first: hand-made and older rows may lack the recipe columns
+        warmup = str(r.get("warmup") or "").strip()
+        c = read_course(path, int(warmup) if warmup else None)
         if c is not None:
             logged.append((r, c))
     if not logged:
         return []
+    logged.sort(key=lambda rc: _row_order(rc[0]))
     lines = [f"The encoder token cosine while training (`{KEY}`, the training monitor's, "
              "every 10th update's batch in train mode; value (update)), for every run logged "
              f"with it; last above {COLLAPSE_LINE:g}: the last logged update whose value was "
@@ -92,8 +97,7 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
         share = None if c["last_above"] is None else c["last_above"] / n
         spans["failed" if why else "trained"].append((c["last_above"], n, share))
         lines.append(
-            f"| {r['depth']} | {r['scheme']} | {r['seed']} | lr {r['lr']}, warmup "
-            f"{r['warmup']}, {r['max_update']} updates | {why or 'trained'} | "
+            f"| {r['depth']} | {r['scheme']} | {r['seed']} | {_recipe(r)} | {why or 'trained'} | "
             f"{_pt(c['first'])} | {_pt(c['peak'])} | {_pt(c['warmup'])} | "
             f"{c['last_above'] if c['last_above'] is not None else 'never'} | "
             f"{_pt(c['end'])} | {_offline(r)} |")
@@ -117,6 +121,14 @@ def _spans_sentence(spans) -> str:
         return text
     return (f"Of the runs logged, {part('that trained', spans['trained'])}; "
             f"{part('that failed', spans['failed'])}.")
+
+
+def _recipe(r) -> str:
+    parts = [f"{name} {r[key]}" for name, key in (("lr", "lr"), ("warmup", "warmup"))
+             if str(r.get(key) or "").strip()]
+    if str(r.get("max_update") or "").strip():
+        parts.append(f"{r['max_update']} updates")
+    return ", ".join(parts) or "-"
 
 
 def _offline(r) -> str:
