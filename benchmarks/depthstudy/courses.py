@@ -30,9 +30,10 @@ KEY = "enc_tok_cos"
 def course(points: Iterable[dict], warmup: Optional[int]) -> Optional[dict]:
     """``points``: a curve's ``train`` list (``{"update": u, "enc_tok_cos": c, ...}``). Returns
     ``first``, ``peak`` (the first update with the highest value), ``warmup`` (the last point
-    at or before update ``warmup``; None if none or without a ``warmup``), ``end`` (the last point), each as
-    ``(update, value)``, and ``last_above``: the last update above :data:`COLLAPSE_LINE`
-    (None if none). Points without a finite value are left out; None when none is left."""
+    at or before update ``warmup``; None if none or without a ``warmup``), ``end`` (the last
+    point), each as ``(update, value)``, and ``last_above``: the last update above
+    :data:`COLLAPSE_LINE` (None if none). Points without a finite value are left out; None
+    when none is left."""
     pts = []
     for p in points:
         v = p.get(KEY)
@@ -44,21 +45,11 @@ def course(points: Iterable[dict], warmup: Optional[int]) -> Optional[dict]:
     if not pts:
         return None
     pts.sort()
-    peak = pts[0]
-    for pt in pts:
-        if pt[1] > peak[1]:
-            peak = pt
+    peak = max(pts, key=lambda pt: pt[1])  # max keeps the first of equal values
     before = [] if warmup is None else [pt for pt in pts if pt[0] <= warmup]
     above = [u for u, v in pts if v > COLLAPSE_LINE]
     return dict(first=pts[0], peak=peak, warmup=before[-1] if before else None, end=pts[-1],
                 last_above=above[-1] if above else None)
-
-
-def read_course(path: Optional[Path], warmup: Optional[int]) -> Optional[dict]:
-    """:func:`course` of the curve file at ``path`` (None without a file or a logged value)."""
-    if path is None or not path.is_file():
-        return None
-    return course(json.loads(path.read_text()).get("train", []), warmup)
 
 
 def _pt(pt) -> str:
@@ -76,7 +67,8 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
         if path is None or not path.is_file():
             continue  # checked first: hand-made and older rows may lack the recipe columns
         warmup = str(r.get("warmup") or "").strip()
-        c = read_course(path, int(warmup) if warmup else None)
+        c = course(json.loads(path.read_text()).get("train", []),
+                   int(warmup) if warmup else None)
         if c is not None:
             logged.append((r, c))
     if not logged:
@@ -94,8 +86,9 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
     for r, c in logged:
         why = failure(r)
         n = int(r["updates"] or r["max_update"])
-        share = None if c["last_above"] is None else c["last_above"] / n
-        spans["failed" if why else "trained"].append((c["last_above"], n, share))
+        # the share of the run's updates before its last value above the line (None: never)
+        spans["failed" if why else "trained"].append(
+            None if c["last_above"] is None else c["last_above"] / n)
         lines.append(
             f"| {r['depth']} | {r['scheme']} | {r['seed']} | {_recipe(r)} | {why or 'trained'} | "
             f"{_pt(c['first'])} | {_pt(c['peak'])} | {_pt(c['warmup'])} | "
@@ -106,14 +99,14 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
 
 
 def _spans_sentence(spans) -> str:
-    def part(label, xs):
-        if not xs:
+    def part(label, shares):
+        if not shares:
             return f"no run {label} was logged"
-        never = sum(1 for u, _, _ in xs if u is None)
-        seen = [(u, n, s) for u, n, s in xs if u is not None]
-        text = f"{len(xs)} run{'s' if len(xs) > 1 else ''} {label}"
+        seen = [s for s in shares if s is not None]
+        never = len(shares) - len(seen)
+        text = f"{len(shares)} run{'s' if len(shares) > 1 else ''} {label}"
         if seen:
-            lo, hi = min(s for _, _, s in seen), max(s for _, _, s in seen)
+            lo, hi = min(seen), max(seen)
             text += (f": last above {COLLAPSE_LINE:g} at {_pct(lo)}"
                      + (f"-{_pct(hi)}" if hi != lo else "") + " of the run's updates")
         if never:
@@ -124,8 +117,7 @@ def _spans_sentence(spans) -> str:
 
 
 def _recipe(r) -> str:
-    parts = [f"{name} {r[key]}" for name, key in (("lr", "lr"), ("warmup", "warmup"))
-             if str(r.get(key) or "").strip()]
+    parts = [f"{key} {r[key]}" for key in ("lr", "warmup") if str(r.get(key) or "").strip()]
     if str(r.get("max_update") or "").strip():
         parts.append(f"{r['max_update']} updates")
     return ", ".join(parts) or "-"
