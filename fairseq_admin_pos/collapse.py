@@ -11,7 +11,7 @@ every sentence hands the decoder nearly one vector, and the translation cannot d
 source (the rank collapse of deep attention stacks, Dong, Cordonnier and Loukas 2021,
 "Attention is not all you need: pure attention loses rank doubly exponentially with depth",
 arXiv 2103.03404). In this package's depth study every run whose decoder ignored the source
-completely had a trained encoder at 1.000, and every run that trained 0.61 or less
+completely had a trained encoder at 1.000, and every run that trained 0.66 or less
 (docs/results.md, "Encoder collapse across the study").
 
 Two entry points share the formula:
