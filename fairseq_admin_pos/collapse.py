@@ -23,11 +23,44 @@ Two entry points share the formula:
   the host: what the encoder records in each training forward and the training monitor logs
   as ``enc_tok_cos`` (:mod:`fairseq_admin_pos.models.monitoring`). Pads are weighted out
   instead of indexed out, since boolean indexing would need the count on the host.
+
+:func:`collapse_warning` turns one logging interval's mean of that training value into the
+monitor's one-line warning: over :data:`COLLAPSE_COS` for a whole interval after the warmup.
 """
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 from torch import Tensor
+
+#: An interval-mean ``enc_tok_cos`` above this, for a whole logging interval after the learning
+#: rate's warmup, is reported as a collapsed encoder. Measured in this package's depth study
+#: (docs/results.md, "The collapse while training"): runs that trained pass through 0.87-0.98
+#: while they first learn the target language, but each was under 0.9 for good before its warmup
+#: ended; each run that failed (its decoder ignoring the source) was above 0.9 after its warmup.
+#: That is one recipe and one width (d=128, Multi30k), so the monitor warns and never stops a run.
+COLLAPSE_COS = 0.9
+
+
+def collapse_warning(cos: float, first_update: int, last_update: int,
+                     warmup_updates: int) -> Optional[str]:
+    """The training monitor's warning for a logging interval whose updates ``first_update`` to
+    ``last_update`` had a mean encoder token cosine ``cos``, or None: None unless the learning
+    rate has a warmup (``warmup_updates > 0``; without one nothing says when a high value stops
+    being the early phase every run passes through), the whole interval is after it
+    (``first_update > warmup_updates``) and ``cos > COLLAPSE_COS`` (NaN, an interval with no
+    two real source tokens, is never above)."""
+    if warmup_updates <= 0 or first_update <= warmup_updates or math.isnan(cos) \
+            or cos <= COLLAPSE_COS:
+        return None
+    return (f"enc_tok_cos {cos:.4f} over updates {first_update}-{last_update}, after the "
+            f"{warmup_updates}-update warmup: the encoder gives different source tokens nearly "
+            f"the same output (a collapsed encoder), so the decoder can hardly use the source. "
+            f"In this package's depth study every run above {COLLAPSE_COS} after its warmup "
+            f"failed to translate, and a lower --lr or a longer schedule (--warmup-updates, "
+            f"--max-update) trained the same shape (docs/training.md); warned once per run")
 
 
 def mean_pairwise_cosine(vectors: Tensor) -> float:

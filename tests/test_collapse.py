@@ -1,6 +1,6 @@
 """The encoder token cosine (fairseq_admin_pos/collapse.py): the training-time tensor form and
 the offline float form against the full N x N cosine matrix, pads left out, the collapsed and
-degenerate cases, and no host read."""
+degenerate cases, and no host read; the monitor's collapse warning rule."""
 import math
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from dispatch_utils import NoValueReads
 from fairseq_cli_utils import cos_by_matrix
-from fairseq_admin_pos.collapse import mean_pairwise_cosine, token_cosine
+from fairseq_admin_pos.collapse import collapse_warning, mean_pairwise_cosine, token_cosine
 
 
 def padded_batch(seed: int, shared: float):
@@ -69,3 +69,21 @@ def test_token_cosine_stays_float32_under_autocast(dtype):
     with torch.autocast("cpu", dtype=dtype):
         got = token_cosine(x, pad)
     assert got.dtype == torch.float32 and got.item() == pytest.approx(want, abs=2e-6)
+
+
+@pytest.mark.parametrize("cos, first, last, warmup, warns", [
+    (0.95, 401, 410, 400, True),    # a whole interval after the warmup, above the line
+    (0.95, 400, 409, 400, False),   # its first update is still the warmup's last
+    (0.9, 401, 410, 400, False),    # on the line is not above it
+    (0.9001, 701, 710, 400, True),
+    (0.999, 11, 20, 0, False),      # no warmup: nothing says when the early phase ends
+    (float("nan"), 401, 410, 400, False),
+])
+def test_collapse_warning_needs_a_whole_interval_after_the_warmup_above_the_line(
+        cos, first, last, warmup, warns):
+    message = collapse_warning(cos, first, last, warmup)
+    assert (message is not None) == warns
+    if warns:
+        assert message.startswith(f"enc_tok_cos {cos:.4f} over updates {first}-{last}, after "
+                                  f"the {warmup}-update warmup: ")
+        assert "\n" not in message and "--lr" in message and "--warmup-updates" in message

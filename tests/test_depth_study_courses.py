@@ -63,8 +63,12 @@ def plain_reading(pts, warmup):
         if v > 0.9:
             last_above = u
             break
+    # the monitor warns at the first interval that starts after the warmup above the line
+    starts = [1] + [u + 1 for u, _ in kept[:-1]]
+    warned = next((u for (u, v), start in zip(kept, starts) if warmup > 0 and start > warmup
+                   and v > 0.9), None)
     return dict(first=kept[0], peak=peak, warmup=at_warmup, end=kept[-1],
-                last_above=last_above)
+                last_above=last_above, warned=warned)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -80,8 +84,11 @@ def test_course_orders_points_and_drops_what_is_not_a_value():
            {"update": 50}, {"update": 60, "enc_tok_cos": "0.95"}]
     c = courses.course(pts, 25)
     # the first of two equal highest values; "nan" and "" are not values
+    # update 60's interval starts after update 10's, the last value logged before it: 11-60,
+    # wholly after the 25-update warmup and above the line, so the monitor warns there
     assert c == dict(first=(10, 0.95), peak=(10, 0.95), warmup=(10, 0.95), end=(60, 0.95),
-                     last_above=60)
+                     last_above=60, warned=60)
+    assert courses.course(pts, 0)["warned"] is None  # no warmup, no warning
     assert courses.course([{"update": 10, "loss": 3.0}], 400) is None
     assert courses.course([], 400) is None
     # exactly at the line is not above it
@@ -151,6 +158,8 @@ def test_publish_lists_every_logged_course(tmp_path, only_in_docs):
         peak = max(pts, key=lambda uv: (uv[1], -uv[0]))
         warm = [uv for uv in pts if uv[0] <= 400][-1]
         above = [u for u, v in pts if v > 0.9]
+        starts = [1] + [u + 1 for u, _ in pts[:-1]]
+        warned = [u for (u, v), start in zip(pts, starts) if start > 400 and v > 0.9]
         outcome = failure(row) or "trained"
         assert outcome == {"admin": "trained", "post-ln": "ignores the source",
                            "admin-paper": "diverged"}[scheme]
@@ -158,13 +167,14 @@ def test_publish_lists_every_logged_course(tmp_path, only_in_docs):
         expect = (f"| {shape} | {scheme} | {seed} | lr 0.002, warmup 400, 700 updates | "
                   f"{outcome} | {f(pts[0])} | {f(peak)} | {f(warm)} | "
                   f"{above[-1] if above else 'never'} | {f(pts[-1])} | "
-                  f"{f'{float(cos):.2f}' if cos else '-'} |")
+                  f"{warned[0] if warned else 'no'} | {f'{float(cos):.2f}' if cos else '-'} |")
         assert lines[(f"| {shape}", scheme, str(seed))] == expect
     # the trained run was last above 0.9 at update 250 of 700 (36%); both failed runs at
     # their last update (100%)
     assert ("Of the runs logged, 1 run that trained: last above 0.9 at 36% of the run's "
-            "updates; 2 runs that failed: last above 0.9 at 100% of the run's updates.") \
-        in block
+            "updates; 2 runs that failed: last above 0.9 at 100% of the run's updates. The "
+            "monitor's collapse warning fires for 1 of the 2 runs that failed (at update 700); "
+            "for 0 of the 1 run that trained.") in block
 
 
 def test_no_course_without_a_logged_value(tmp_path):
@@ -182,6 +192,8 @@ def test_no_course_without_a_logged_value(tmp_path):
     row.update(warmup="", lr="0.002", max_update="20", updates="20", source_gain="3.0")
     lines = courses.course_lines([row], lambda r: curve, failure)
     assert ("| 6L-6L | admin | 1 | lr 0.002, 20 updates | trained | 0.95 (10) | "
-            "0.95 (10) | - | 10 | 0.50 (20) | - |") in lines
+            "0.95 (10) | - | 10 | 0.50 (20) | no | - |") in lines
     assert lines[-1] == ("Of the runs logged, 1 run that trained: last above 0.9 at 50% of the "
-                         "run's updates; no run that failed was logged.")
+                         "run's updates; no run that failed was logged. The monitor's collapse "
+                         "warning fires for none of the runs that failed (none logged); for 0 of "
+                         "the 1 run that trained.")

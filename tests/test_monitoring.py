@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from dispatch_utils import NoValueReads
-from fairseq_cli_utils import TINY_MODEL, USER_DIR, cos_by_matrix, load_model_state, run, train
+from fairseq_cli_utils import (TINY_MODEL, USER_DIR, cos_by_matrix, load_model_state, preprocess,
+                              run, train, write_reversal_corpus)
 from model_utils import build, build_trainer
 
 GNORM_KEYS = ("enc_gnorm", "dec_gnorm", "emb_gnorm")
@@ -394,3 +395,64 @@ def test_dyt_alphas_are_logged(tiny_data, scheme, per_layer):
         monitoring.log_shortcut_stats(model)
     layernorm = _one_update(_trainer(tiny_data, "admin_transformer", scheme))
     assert not any("dyt" in k for k in layernorm.get_smoothed_values())
+
+
+# --------------------------------------------------------------------------------------- #
+# the collapse warning
+# --------------------------------------------------------------------------------------- #
+@pytest.fixture(scope="module")
+def one_word_data(tmp_path_factory):
+    """Every sentence one word repeated (up to 60 times): with no source positions and no
+    dropout the encoder gives nearly every source token the same output, a collapsed encoder
+    by construction."""
+    root = tmp_path_factory.mktemp("one_word")
+    write_reversal_corpus(root / "raw", n_train=120, vocab=1, max_len=60)
+    return preprocess(root / "raw", root / "bin")
+
+
+def collapse_warnings(log: str):
+    return re.findall(r"WARNING \| fairseq_admin_pos\.models\.monitoring \| (enc_tok_cos .*)", log)
+
+
+def expected_warning(inner, interval: int, warmup: int):
+    """The first logged interval wholly after the warmup whose enc_tok_cos is above 0.9,
+    read off the json lines: ``(first update, last update, value)`` or None."""
+    for rec in inner:
+        last = int(rec["num_updates"])
+        if warmup > 0 and last - interval + 1 > warmup and rec["enc_tok_cos"] > 0.9:
+            return last - interval + 1, last, rec["enc_tok_cos"]
+    return None
+
+
+@pytest.mark.parametrize("corpus, warmup, warns", [
+    ("one_word", 2, True),     # collapsed past the warmup: warned once, at the first interval
+    ("one_word", 8, False),    # the same run with every update inside the warmup
+    ("one_word", 0, False),    # no warmup (fixed schedule): nothing to tell early from late
+    ("reversal", 2, False),    # a run that trains: under the line after its warmup
+])
+def test_collapse_warning_names_the_logged_interval_once(request, tmp_path, corpus, warmup,
+                                                         warns):
+    data = request.getfixturevalue("one_word_data" if corpus == "one_word" else "tiny_data")
+    schedule = (["--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup)] if warmup
+                else ["--lr-scheduler", "fixed"])
+    proc = train(data, tmp_path / "ck", "admin_transformer", TINY_MODEL + schedule + [
+        "--encoder-pos-emb", "none", "--dropout", "0", "--log-format", "json",
+        "--log-interval", "2", "--no-save"], max_update=8)
+    log = proc.stderr + proc.stdout
+    inner = json_lines(log, "train_inner")
+    assert [int(r["num_updates"]) for r in inner] == [2, 4, 6, 8]
+    if corpus == "one_word":  # the construction holds: every interval above the line
+        assert min(r["enc_tok_cos"] for r in inner) > 0.9
+    want = expected_warning(inner, 2, warmup)
+    assert (want is not None) == warns
+    found = collapse_warnings(log)
+    if want is None:
+        assert found == []
+        return
+    first, last, value = want
+    assert len(found) == 1  # once per run, though every later interval is above the line too
+    m = re.match(r"enc_tok_cos ([0-9.]+) over updates (\d+)-(\d+), after the (\d+)-update "
+                 r"warmup: ", found[0])
+    assert m, found[0]
+    assert (int(m.group(2)), int(m.group(3)), int(m.group(4))) == (first, last, warmup)
+    assert float(m.group(1)) == pytest.approx(value, abs=1.5e-4)

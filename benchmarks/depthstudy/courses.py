@@ -10,7 +10,10 @@ numbers they quote (first value, peak, value at the end of the warmup, the last 
 :data:`COLLAPSE_LINE`, last value) and :func:`course_lines` sets every logged run's course in
 one table beside whether the run failed and its trained encoder's cosine measured offline
 (``probe.py``, eval mode, validation batch), with a sentence comparing the runs that trained
-and those that failed. Runs recorded before the monitor logged the value have no course.
+and those that failed. :func:`monitor_warns` replays the monitor's collapse warning
+(:func:`fairseq_admin_pos.collapse.collapse_warning`, the code ``fairseq-train`` runs) over
+the logged intervals, so the table shows where each run would have been warned. Runs recorded
+before the monitor logged the value have no course.
 """
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ import math
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
+from fairseq_admin_pos.collapse import COLLAPSE_COS, collapse_warning
+
 from .report import _row_order
 
-#: the line the docs read the courses against: above it, a near-collapse. Not a threshold the
-#: monitor acts on (it warns about nothing); the study's courses are too few to set one.
-COLLAPSE_LINE = 0.9
+#: the line the docs read the courses against: above it, a near-collapse; the same line the
+#: training monitor's warning uses after the warmup
+COLLAPSE_LINE = COLLAPSE_COS
 KEY = "enc_tok_cos"
 
 
@@ -49,7 +54,20 @@ def course(points: Iterable[dict], warmup: Optional[int]) -> Optional[dict]:
     before = [] if warmup is None else [pt for pt in pts if pt[0] <= warmup]
     above = [u for u, v in pts if v > COLLAPSE_LINE]
     return dict(first=pts[0], peak=peak, warmup=before[-1] if before else None, end=pts[-1],
-                last_above=above[-1] if above else None)
+                last_above=above[-1] if above else None, warned=monitor_warns(pts, warmup))
+
+
+def monitor_warns(pts, warmup: Optional[int]) -> Optional[int]:
+    """The last update of the first logging interval for which the training monitor warns of a
+    collapsed encoder, or None: ``pts`` the logged ``(update, interval mean)`` in order, each
+    interval running from the update after the previous logged value's (the first from update
+    1; an interval whose mean was not a value, left out of ``pts``, joins the next)."""
+    first = 1
+    for update, value in pts:
+        if collapse_warning(value, first, update, warmup or 0) is not None:
+            return update
+        first = update + 1
+    return None
 
 
 def _pt(pt) -> str:
@@ -75,27 +93,48 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
         return []
     logged.sort(key=lambda rc: _row_order(rc[0]))
     lines = [f"The encoder token cosine while training (`{KEY}`, the training monitor's, "
-             "every 10th update's batch in train mode; value (update)), for every run logged "
+             "the mean over each 10-update logging interval of its batches in train mode; "
+             "value (last update of the interval)), for every run logged "
              f"with it; last above {COLLAPSE_LINE:g}: the last logged update whose value was "
-             f"above {COLLAPSE_LINE:g}; offline: the trained encoder's cosine from the probe "
-             "(eval mode, validation batch):", "",
+             f"above {COLLAPSE_LINE:g}; warned: the update at whose log line the monitor "
+             f"warns of a collapsed encoder (the first interval wholly after the warmup above "
+             f"{COLLAPSE_LINE:g}; `fairseq_admin_pos/collapse.py` replayed over the curve); "
+             "offline: the trained encoder's cosine from the probe (eval mode, validation "
+             "batch):", "",
              "| shape | scheme | seed | recipe | outcome | first | peak | end of warmup | "
-             f"last above {COLLAPSE_LINE:g} | last | offline |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"last above {COLLAPSE_LINE:g} | last | warned | offline |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     spans = {"trained": [], "failed": []}
+    warned = {"trained": [], "failed": []}
     for r, c in logged:
         why = failure(r)
         n = int(r["updates"] or r["max_update"])
         # the share of the run's updates before its last value above the line (None: never)
         spans["failed" if why else "trained"].append(
             None if c["last_above"] is None else c["last_above"] / n)
+        warned["failed" if why else "trained"].append(c["warned"])
         lines.append(
             f"| {r['depth']} | {r['scheme']} | {r['seed']} | {_recipe(r)} | {why or 'trained'} | "
             f"{_pt(c['first'])} | {_pt(c['peak'])} | {_pt(c['warmup'])} | "
             f"{c['last_above'] if c['last_above'] is not None else 'never'} | "
-            f"{_pt(c['end'])} | {_offline(r)} |")
-    lines += ["", _spans_sentence(spans)]
+            f"{_pt(c['end'])} | {c['warned'] if c['warned'] is not None else 'no'} | "
+            f"{_offline(r)} |")
+    lines += ["", _spans_sentence(spans) + " " + _warned_sentence(warned)]
     return lines
+
+
+def _warned_sentence(warned) -> str:
+    def part(label, updates):
+        if not updates:
+            return f"none of the runs that {label} (none logged)"
+        hit = [u for u in updates if u is not None]
+        text = f"{len(hit)} of the {len(updates)} run{'s' if len(updates) > 1 else ''} that {label}"
+        if hit:
+            lo, hi = min(hit), max(hit)
+            text += f" (at update {lo}" + (f"-{hi}" if hi != lo else "") + ")"
+        return text
+    return (f"The monitor's collapse warning fires for {part('failed', warned['failed'])}; "
+            f"for {part('trained', warned['trained'])}.")
 
 
 def _spans_sentence(spans) -> str:

@@ -42,10 +42,16 @@ dual stream is what ResiDual adds to watch: it grows with depth and
 training (the paper's fp16 remark, Appendix G.3), and here it is carried in float32. The
 encoder token cosine is logged for every scheme: in this package's depth study every
 deep-encoder run whose decoder ended up ignoring the source had a trained encoder at 1.000
-(measured offline), every run that trained 0.66 or less. It is not a verdict while training
-runs: runs that train pass through high values while they first learn the target language
-(docs/training.md gives the measured courses). Its cost is 19 small operations on the
-encoder output per training forward (``fairseq_admin_pos/collapse.py``).
+(measured offline), every run that trained 0.66 or less. A high value early is no verdict:
+runs that train pass through high values while they first learn the target language
+(docs/training.md gives the measured courses). A high value after the warmup is what the
+study's failed runs showed and none that trained, so the monitor logs one warning per run,
+at fairseq's log line, for the first logging interval wholly after the learning rate's warmup
+whose mean is above 0.9 (:func:`warn_on_collapse`, the rule in
+:func:`fairseq_admin_pos.collapse.collapse_warning`; a schedule without ``warmup_updates``
+gets no warning). It never stops the run. Its cost is 19 small operations on the encoder
+output per training forward (``fairseq_admin_pos/collapse.py``) and, for the warning, one
+read of the interval's mean at each log line, which fairseq reads anyway to print it.
 
 The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
 ``gnorm``; so are the dual-stream norms (each update's value is the stack's
@@ -80,6 +86,7 @@ which flattens the parameters):
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -89,12 +96,15 @@ import torch.nn as nn
 from fairseq.logging import metrics
 from fairseq.trainer import Trainer
 
+from fairseq_admin_pos.collapse import collapse_warning
 from fairseq_admin_pos.models.admin_profile import residual_stacks
 from fairseq_admin_pos.models.admin_transformer import AdminTransformerModel
 from fairseq_admin_pos.models.positions import ScaledSinusoidalPositions
 from fairseq_admin_pos.norms import DynamicTanh
 from fairseq_admin_pos.schemes import ReZeroResidual
 from fairseq_admin_pos.speed import trainer as speed_trainer
+
+logger = logging.getLogger(__name__)
 
 STACK_PREFIX = {"encoder": "enc", "decoder": "dec"}
 #: second component of a parameter name that puts it in the ``emb`` group
@@ -280,6 +290,29 @@ def log_token_cosine(model: nn.Module) -> None:
                            round=_TOKEN_COS_ROUND)
 
 
+_COLLAPSE_WARNED = "_admin_collapse_warned"
+
+
+def warn_on_collapse(trainer, num_updates: int) -> None:
+    """At fairseq's own logging step (``num_updates`` a multiple of ``--log-interval``), read
+    the interval's ``enc_tok_cos`` meter, the value the ``train_inner`` line is about to print,
+    and log :func:`fairseq_admin_pos.collapse.collapse_warning`'s line once per run (on the
+    first data-parallel rank only, which logs for all)."""
+    if num_updates % trainer.cfg.common.log_interval or getattr(trainer, _COLLAPSE_WARNED, False) \
+            or not trainer.is_data_parallel_master:
+        return
+    meter = metrics.get_meter("train_inner", "enc_tok_cos")
+    if meter is None or not meter.count:
+        return
+    # one host read per interval, of the value fairseq itself reads to print the line
+    warmup = getattr(trainer.cfg.lr_scheduler, "warmup_updates", 0) or 0
+    message = collapse_warning(float(meter.avg), num_updates - meter.count + 1, num_updates,
+                               int(warmup))
+    if message is not None:
+        logger.warning(message)
+        setattr(trainer, _COLLAPSE_WARNED, True)
+
+
 def _monitored(trainer) -> Optional[nn.Module]:
     model = trainer.get_model()
     return model if isinstance(model, AdminTransformerModel) else None
@@ -352,6 +385,7 @@ def _wrap_set_num_updates(set_num_updates):
         log_shortcut_stats(model)
         log_dual_norms(model)
         log_token_cosine(model)
+        warn_on_collapse(self, num_updates)
 
     wrapper.__admin_monitoring__ = True
     return wrapper
