@@ -102,7 +102,8 @@ from depthstudy.data import (LANGS, SPLITS, SRC, TGT, check_data, prepare_data, 
 from depthstudy.logs import LOG_RE, classify, parse_curve  # noqa: E402,F401
 from depthstudy.omegas import init_omegas, variant_omegas  # noqa: E402,F401
 from depthstudy.plan import (_DEEP_ENC, PLAN_RECIPES, PLANS, POSITIONS,  # noqa: E402,F401
-                             PRESETS, QUICK, SCHEMES, run_key, study_name)
+                             PRESETS, QUICK, SCHEMES, item_args, item_key, run_key,
+                             study_name)
 from depthstudy.plot import plotted_study, write_omega_plot, write_plot  # noqa: E402,F401
 from depthstudy.publish import publish  # noqa: E402,F401
 from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START, append_row,  # noqa: E402,F401
@@ -159,7 +160,11 @@ def build_parser():
                         "DyT in Pre-LN (pre-ln-dyt) at " + _DEEP_ENC + " and 12L-12L, 3 seeds (seed 1 of "
                         "every scheme first), with the pre-ln and post-ln rows of the same "
                         "cells; norms-2025-dyt = DyT in the other placements (peri-ln-dyt, "
-                        "mix-ln-dyt, post-ln-dyt), the same cells and seeds")
+                        "mix-ln-dyt, post-ln-dyt), the same cells and seeds; converged = the "
+                        "depth table at lr 1e-3, warmup 2000: the convergence check (admin "
+                        "6L-6L, 18L-18L at 2400 and 4800 updates), then post-ln, pre-ln, admin "
+                        "at 6L-6L, 12L-12L, 18L-18L and admin, pre-ln at 12L-1L, 48L-1L, "
+                        "2 seeds (docs/depth_converged.md)")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")
@@ -295,7 +300,8 @@ def main(argv=None):
         log(f"no rows in {csv_path} yet")
         return 0
     done = {r["key"] for r in rows}
-    missing = [(study_name(args), *g) for g in grid if run_key(*g[:3], args, g[3]) not in done]
+    missing = [(study_name(item_args(args, g)), *g[:4]) for g in grid
+               if item_key(g, args) not in done]
     write_table(rows, args.out / "results_table.md", missing)
     write_plot(rows, args.out, args.out / "depth_study_loss.png", args.publish or REPO / "docs")
     write_omega_plot(rows, args.out / "depth_study_omegas.png")

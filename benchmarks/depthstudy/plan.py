@@ -2,6 +2,7 @@
 ``fairseq-train`` flags), the recipes, the predefined grids, and the key that names a run."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from .common import REPO
@@ -99,11 +100,28 @@ def run_key(scheme, depth, seed, args, positions: str = "sinusoidal") -> str:
         key += f"|v{args.vocab}"
     if args.clip_norm:
         key += f"|clip{args.clip_norm:g}"
+    # a fixed validation (and checkpoint) interval picks checkpoint_best among other updates
+    if getattr(args, "validate_every", 0):
+        key += f"|ve{args.validate_every}"
     return key if positions == "sinusoidal" else f"{key}|pos-{positions}"
 
 
 def study_name(args) -> str:
     return f"d{args.embed_dim}-{args.max_update}upd"
+
+
+def item_args(args, item):
+    """The study's arguments for one grid item. An item is ``(scheme, depth, seed,
+    positions)`` or, in a plan that trains runs of two lengths, ``(..., updates)``: that item
+    trains for its own number of updates (the same recipe otherwise)."""
+    if len(item) < 5 or item[4] == args.max_update:
+        return args
+    return argparse.Namespace(**{**vars(args), "max_update": item[4]})
+
+
+def item_key(item, args) -> str:
+    """The CSV key of a grid item (see :func:`item_args`)."""
+    return run_key(*item[:3], item_args(args, item), item[3])
 
 
 # --------------------------------------------------------------------------- omega variants
@@ -237,3 +255,30 @@ PLANS["norms-2025-dyt"] = (
     [(s, d, seed, "sinusoidal") for seed in (1, 2, 3) for d in (_DEEP_ENC, "12L-12L")
      for s in ("peri-ln-dyt", "mix-ln-dyt", "post-ln-dyt")]
 )
+
+# --------------------------------------------------------------------------- converged
+#: The depth table at a converged schedule (Liu et al. 2020's 6L/12L/18L; Kasai et al. 2021's
+#: 12-1 against 6-6; the 48L-1L collapse). The recipe is the demo's model and data with the
+#: package's long schedule: Adam (0.9, 0.98), peak lr 1e-3, inverse_sqrt after 2000 warmup
+#: updates. Validation (and a checkpoint) every 200 updates: a run stopped with its session
+#: resumes from a checkpoint at most 200 updates old, and the curves tell over-fitting from
+#: under-training. Checkpoints are kept: a longer run continues the shorter one, and the
+#: deployed speed is timed on the model whose BLEU is quoted.
+CONVERGED_RECIPE = dict(lr=1e-3, warmup=2000, max_update=2400, validate_every=200,
+                        keep_checkpoints=True)
+#: the length of the grid, set by the convergence check (docs/depth_converged.md)
+CONVERGED_UPDATES = 2400
+#: the convergence check first: Admin 6L-6L and 18L-18L seed 1 at the schedule's length and
+#: at twice it (the longer run continues the shorter one's checkpoint: one run, two rows)
+_CHECK = [("admin", d, 1, "sinusoidal", n) for n in (2400, 4800) for d in ("6L-6L", "18L-18L")]
+#: then, most informative first: Admin's deep-shallow shapes, Pre-LN, Post-LN; every cell's
+#: first seed before any second
+_CONVERGED_CELLS = (
+    [("admin", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L", "12L-12L")]
+    + [("pre-ln", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L", "12L-12L")]
+    + [("post-ln", d) for d in ("6L-6L", "12L-12L", "18L-18L")]
+)
+PLANS["converged"] = list(dict.fromkeys(
+    _CHECK + [(s, d, seed, "sinusoidal", CONVERGED_UPDATES) for seed in (1, 2)
+              for s, d in _CONVERGED_CELLS]))
+PLAN_RECIPES["converged"] = dict(CONVERGED_RECIPE, max_update=CONVERGED_UPDATES)

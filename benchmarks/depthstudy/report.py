@@ -30,6 +30,9 @@ CSV_FIELDS = [
     "clip_norm",
     # issue 41: how alike the encoder makes different source tokens (depthstudy.probe)
     "encoder_cos", "encoder_cos_init", "encoder_cos_layers",
+    # the validation / checkpoint interval when fixed ('' : max_update / 4), and the updates
+    # a run was resumed or continued at (depthstudy.segments; '' : one process, no resume)
+    "validate_every", "resumed_at",
 ]
 
 

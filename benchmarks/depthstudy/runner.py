@@ -2,6 +2,7 @@
 one CSV row per finished run."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -19,7 +20,9 @@ from .common import (REPO, USER_DIR, cpu_name, fairseq_env, file_lock, log, pars
 from .data import TGT
 from .logs import classify, gnorm_summary, parse_curve
 from .omegas import init_omegas, write_variant_file
-from .plan import OMEGA_VARIANTS, POSITIONS, SCHEMES, run_key, study_name
+from .plan import (OMEGA_VARIANTS, POSITIONS, SCHEMES, item_args, item_key, run_key,
+                   study_name)
+from . import segments
 from .plot import write_plot
 from .report import (append_row, csv_lock, distinct_translations, read_rows, write_rows,
                      write_table)
@@ -140,22 +143,56 @@ def generate(args, root: Path, save_dir: Path, run_dir: Path, env):
 
 
 def finished_training(run_dir: Path, save_dir: Path, cmd):
-    """``(log text, command text, training seconds)`` of a run in ``run_dir`` that trained to
+    """``(command text, the last segment's log text)`` of a run in ``run_dir`` that trained to
     the end with exactly ``cmd`` (recorded in ``command.txt``) and still has its checkpoints,
     else None."""
-    log_file, recorded = run_dir / "train.log", run_dir / "command.txt"
+    seg = segments.read(run_dir)[-1]
+    log_file, recorded = run_dir / seg["log"], run_dir / "command.txt"
     if not (log_file.is_file() and (save_dir / "checkpoint_best.pt").is_file()
             and (save_dir / "checkpoint_last.pt").is_file()):
         return None
     text = log_file.read_text()
-    done = re.search(r"done training in ([0-9.]+) seconds", text)
     cmd_text = " ".join(shlex.quote(str(c)) for c in cmd)
     # runs started before command.txt existed: fairseq's logged config names the save dir
     same = (recorded.read_text() == cmd_text if recorded.is_file()
             else f"'save_dir': '{save_dir}'" in text)
-    if done is None or not same:
+    if segments.DONE_RE.search(text) is None or not same:
         return None
-    return text, cmd_text, float(done.group(1))
+    return cmd_text, text
+
+
+def resumable(run_dir: Path, save_dir: Path, cmd) -> int | None:
+    """The update to resume an unfinished run of exactly ``cmd`` from (its checkpoint_last.pt
+    of an earlier, stopped process), else None."""
+    recorded = run_dir / "command.txt"
+    cmd_text = " ".join(shlex.quote(str(c)) for c in cmd)
+    if not ((save_dir / "checkpoint_last.pt").is_file() and recorded.is_file()
+            and recorded.read_text() == cmd_text):
+        return None
+    return segments.saved_update("".join(t for _, t in segments.texts(run_dir)))
+
+
+def shorter_run(args, scheme, depth, seed, positions):
+    """``(run folder, key)`` of the longest finished run of the same configuration with fewer
+    updates whose checkpoints were kept (the run to continue), else None."""
+    found = []
+    for n in range(1, args.max_update):
+        key = run_key(scheme, depth, seed, argparse.Namespace(**{**vars(args),
+                                                                 "max_update": n}), positions)
+        run_dir = args.out / "runs" / run_folder(key)
+        if run_dir.is_dir():
+            found.append((n, run_dir, key))
+    for n, run_dir, key in sorted(found, reverse=True):
+        save_dir = run_dir / "ckpt"
+        cmd_file = run_dir / "command.txt"
+        if cmd_file.is_file() and finished_training(
+                run_dir, save_dir, shlex.split(cmd_file.read_text())) is not None:
+            return run_dir, key
+    return None
+
+
+def run_folder(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
 
 
 def measure_profile(args, root, scheme, depth, seed, positions) -> Path:
@@ -233,10 +270,40 @@ def collapse_columns(probed) -> dict:
             "encoder_cos_layers": json.dumps(layers) if layers else ""}
 
 
+def train_segment(args, root, run_dir, save_dir, cmd, key, omega_file, cell):
+    """Train the run ``key`` to its end: resumed from its own checkpoint where an earlier
+    process stopped, else continued from the same configuration's shorter run where one was
+    kept, else from scratch. Returns ``(rc, this segment's log text, command text)``."""
+    scheme, depth, seed, positions = cell
+    start = resumable(run_dir, save_dir, cmd)
+    source = None
+    if start is not None:
+        log(f"run {key}: resuming from its checkpoint at update {start}")
+    else:
+        if run_dir.exists():  # an interrupted attempt without a checkpoint: start again
+            shutil.rmtree(run_dir)
+        shorter = shorter_run(args, scheme, depth, seed, positions)
+        if shorter is not None:
+            run_dir.mkdir(parents=True)
+            start, source = segments.continue_from(shorter[0], run_dir), shorter[1]
+            log(f"run {key}: continuing {source} from update {start}")
+        else:
+            save_dir.mkdir(parents=True)
+            start = 0
+            if omega_file is not None:
+                measured = measure_profile(args, root, "admin-paper", depth, seed,
+                                           positions)
+                write_variant_file(scheme, measured, omega_file)
+        (run_dir / "command.txt").write_text(" ".join(shlex.quote(str(c)) for c in cmd))
+    log_file = segments.next_log(run_dir, start, source)
+    log(f"run {key}")
+    return run_checked(cmd, fairseq_env(args.threads), log_file, echo=args.verbose)
+
+
 def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions="sinusoidal"):
     enc, dec = parse_depth(depth)
     key = run_key(scheme, depth, seed, args, positions)
-    run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "_", key)
+    run_dir = args.out / "runs" / run_folder(key)
     save_dir = run_dir / "ckpt"
     env = fairseq_env(args.threads)
     cmd = train_command(args, root / "bin", save_dir, scheme, enc, dec, seed, positions)
@@ -248,21 +315,13 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
     if finished is not None:
         # trained to the end by an earlier call that stopped before recording the row:
         # evaluate that run instead of training it again
-        rc, text, cmd_text, wall = 0, *finished
+        rc, (cmd_text, text) = 0, finished
         log(f"run {key}: reusing the finished training in {run_dir}")
     else:
-        if run_dir.exists():  # an interrupted earlier attempt: start it again from scratch
-            shutil.rmtree(run_dir)
-        save_dir.mkdir(parents=True)
-        if omega_file is not None:
-            measured = measure_profile(args, root, "admin-paper", depth, seed, positions)
-            write_variant_file(scheme, measured, omega_file)
-        (run_dir / "command.txt").write_text(" ".join(shlex.quote(str(c)) for c in cmd))
-        log(f"run {key}")
-        t0 = time.time()
-        rc, text, cmd_text = run_checked(cmd, env, run_dir / "train.log", echo=args.verbose)
-        wall = time.time() - t0
-    curve = parse_curve(text)
+        rc, text, cmd_text = train_segment(args, root, run_dir, save_dir, cmd, key, omega_file,
+                                           (scheme, depth, seed, positions))
+    curve = segments.curve(run_dir)
+    wall = segments.wall_seconds(run_dir)
     (run_dir / "curve.json").write_text(json.dumps(curve))
     crashed_nan = rc != 0 and ("FloatingPointError" in text or "Nan/Inf" in text)
     if rc != 0 and not crashed_nan:
@@ -314,7 +373,10 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
         "study_command": study_cmd, "train_command": cmd_text, "generate_command": gen_cmd,
         "curve_file": str((run_dir / "curve.json").relative_to(args.out)),
         "final_shortcuts": json.dumps(shortcuts, sort_keys=True) if shortcuts else "",
-        **diagnostics(SCHEMES[scheme], text, enc, dec, omega_file, curve, args.warmup, probed),
+        "validate_every": getattr(args, "validate_every", 0) or "",
+        "resumed_at": segments.resumed_at(run_dir),
+        **diagnostics(SCHEMES[scheme], "".join(t for _, t in segments.texts(run_dir)), enc,
+                      dec, omega_file, curve, args.warmup, probed),
     }
     log(f"{key}: {status} ({reason}); BLEU {row['bleu']}; {row['updates_per_s']} updates/s")
     return row
@@ -347,46 +409,61 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     import threading
 
     done = {r["key"] for r in read_rows(csv_path)}
-    pending = [g for g in grid if run_key(*g[:3], args, g[3]) not in done]
+    pending = [g for g in grid if item_key(g, args) not in done]
     log(f"grid: {len(grid)} runs, {len(grid) - len(pending)} already in {csv_path}")
     lock = threading.Lock()
     env = fairseq_env(args.threads)
     known = {}  # (scheme, positions) -> (time asked, missing flags)
     helps = {}  # chosen optimizer -> fairseq-train's help text, dropped when asked again
+    running = []
+
+    def waits(item) -> bool:
+        # a longer run of a cell continues its shorter run: not before that one is done
+        return any(o[:4] == item[:4] and len(o) > 4 and len(item) > 4 and o[4] < item[4]
+                   for o in pending + running)
 
     def next_item():
-        with lock:
-            for item in list(pending):
-                variant = (item[0], item[3])
-                asked, missing = known.get(variant, (None, None))
-                if asked is None or (missing and time.time() - asked > 600):
-                    if asked is not None:
-                        helps.clear()
-                    missing = unsupported_flags(*variant, env, helps)
-                    known[variant] = (time.time(), missing)
-                    if missing:
-                        log(f"passing over {variant[0]} / {variant[1]}: this checkout's "
-                            f"fairseq-train does not know {', '.join(missing)}")
-                if not missing:
-                    pending.remove(item)
-                    return item
-            return None
+        while True:
+            with lock:
+                blocked = False
+                for item in list(pending):
+                    if waits(item):
+                        blocked = True
+                        continue
+                    variant = (item[0], item[3])
+                    asked, missing = known.get(variant, (None, None))
+                    if asked is None or (missing and time.time() - asked > 600):
+                        if asked is not None:
+                            helps.clear()
+                        missing = unsupported_flags(*variant, env, helps)
+                        known[variant] = (time.time(), missing)
+                        if missing:
+                            log(f"passing over {variant[0]} / {variant[1]}: this checkout's "
+                                f"fairseq-train does not know {', '.join(missing)}")
+                    if not missing:
+                        pending.remove(item)
+                        running.append(item)
+                        return item
+                if not (blocked and running):
+                    return None
+            time.sleep(30)
 
     def record(row) -> None:
         with lock:
             append_row(csv_path, row)
             rows = read_rows(csv_path)
             done_keys = {r["key"] for r in rows}
-            missing = [(study_name(args), *g) for g in grid
-                       if run_key(*g[:3], args, g[3]) not in done_keys]
+            missing = [(study_name(item_args(args, g)), *g[:4]) for g in grid
+                       if item_key(g, args) not in done_keys]
             write_table(rows, args.out / "results_table.md", missing)
             write_plot(rows, args.out, args.out / "depth_study_loss.png",
                        args.publish or REPO / "docs")
 
     def worker():
         while (item := next_item()) is not None:
-            scheme, depth, seed, pos = item
-            key = run_key(scheme, depth, seed, args, pos)
+            scheme, depth, seed, pos = item[:4]
+            run_args = item_args(args, item)
+            key = item_key(item, args)
             try:
                 # the claim is held until the row is in the CSV: another process that
                 # reaches this run sees either the lock or the row
@@ -394,8 +471,8 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                     if not mine or key in {r["key"] for r in read_rows(csv_path)}:
                         log(f"run {key}: running or done in another study process; skipped")
                         continue
-                    row = one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd,
-                                  pos)
+                    row = one_run(run_args, root, scheme, depth, seed, unigram_bits,
+                                  study_cmd, pos)
                     if row is not None:
                         record(row)
             except Exception:  # one broken run must not end the grid; it stays missing
@@ -404,6 +481,9 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                 log(f"run {item} failed, not recorded (a rerun retries it):\n"
                     + traceback.format_exc())
                 continue
+            finally:
+                with lock:
+                    running.remove(item)
 
     threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
     for t in threads:
