@@ -164,7 +164,8 @@ def build_parser():
                         "depth table at lr 1e-3, warmup 2000: the convergence check (admin "
                         "6L-6L, 18L-18L at 2400 and 4800 updates), then post-ln, pre-ln, admin "
                         "at 6L-6L, 12L-12L, 18L-18L and admin, pre-ln at 12L-1L, 48L-1L, "
-                        "2 seeds (docs/depth_converged.md)")
+                        "2 seeds (docs/depth_converged.md); omega-form = admin-buffer (omega a "
+                        "fixed scalar) at 12L-3L and 24L-3L, 3 seeds, the demo recipe")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")

@@ -270,7 +270,9 @@ CONVERGED_RECIPE = dict(lr=1e-3, warmup=2000, max_update=2400, validate_every=20
 CONVERGED_UPDATES = 2400
 #: the convergence check first: Admin 6L-6L and 18L-18L seed 1 at the schedule's length and
 #: at twice it (the longer run continues the shorter one's checkpoint: one run, two rows)
-_CHECK = [("admin", d, 1, "sinusoidal", n) for n in (2400, 4800) for d in ("6L-6L", "18L-18L")]
+#: (6L-6L's longer run before 18L-18L's shorter one: one job trains 6L-6L to its end first;
+#: with two jobs the longer run waits for its shorter one and the other job takes 18L-18L)
+_CHECK = [("admin", d, 1, "sinusoidal", n) for d in ("6L-6L", "18L-18L") for n in (2400, 4800)]
 #: then, most informative first: Admin's deep-shallow shapes, Pre-LN, Post-LN; every cell's
 #: first seed before any second
 _CONVERGED_CELLS = (
@@ -282,3 +284,11 @@ PLANS["converged"] = list(dict.fromkeys(
     _CHECK + [(s, d, seed, "sinusoidal", CONVERGED_UPDATES) for seed in (1, 2)
               for s, d in _CONVERGED_CELLS]))
 PLAN_RECIPES["converged"] = dict(CONVERGED_RECIPE, max_update=CONVERGED_UPDATES)
+
+# --------------------------------------------------------------------------- omega form
+#: The closed-form Admin with omega a fixed scalar (``--admin-omega buffer``) against the
+#: trainable vector (``admin``) at the demo recipe, in the cells where ``admin``'s rows have
+#: three seeds: which form the package's default is.
+SCHEMES["admin-buffer"] = ["--admin-init", "closed-form", "--admin-omega", "buffer"]
+PLANS["omega-form"] = [(s, d, seed, "sinusoidal") for seed in (1, 2, 3)
+                       for d in ("12L-3L", "24L-3L") for s in ("admin-buffer",)]

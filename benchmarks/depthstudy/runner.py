@@ -415,12 +415,13 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     env = fairseq_env(args.threads)
     known = {}  # (scheme, positions) -> (time asked, missing flags)
     helps = {}  # chosen optimizer -> fairseq-train's help text, dropped when asked again
-    running = []
+    running, failed = [], []
 
     def waits(item) -> bool:
-        # a longer run of a cell continues its shorter run: not before that one is done
+        # a longer run of a cell continues its shorter run: not before that one is done (and
+        # not in this call when the shorter one failed)
         return any(o[:4] == item[:4] and len(o) > 4 and len(item) > 4 and o[4] < item[4]
-                   for o in pending + running)
+                   for o in pending + running + failed)
 
     def next_item():
         while True:
@@ -475,9 +476,12 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                                   study_cmd, pos)
                     if row is not None:
                         record(row)
+                    else:
+                        failed.append(item)
             except Exception:  # one broken run must not end the grid; it stays missing
                 import traceback
 
+                failed.append(item)
                 log(f"run {item} failed, not recorded (a rerun retries it):\n"
                     + traceback.format_exc())
                 continue
