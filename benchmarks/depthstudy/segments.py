@@ -45,11 +45,24 @@ def saved_update(log_text: str) -> int | None:
 
 def next_log(run_dir: Path, start: int, source: str | None = None) -> Path:
     """Add a segment starting at update ``start`` and return its log file's path."""
-    segments = read(run_dir) if (run_dir / INDEX).is_file() else []
+    started = (run_dir / INDEX).is_file() or (run_dir / "train.log").is_file()
+    segments = read(run_dir) if started else []
+    last = segments[-1] if segments else None
+    if last and last["start"] == start and not _trained(run_dir / last["log"]):
+        # a process stopped before its first logged update: that segment is this one
+        segments.pop()
+        source = source or last["from"]
     name = "train.log" if not segments else f"train.{len(segments) + 1}.log"
     segments.append({"log": name, "start": start, "from": source})
     write(run_dir, segments)
     return run_dir / name
+
+
+def _trained(log_file: Path) -> bool:
+    """Whether a segment's log holds a logged training update."""
+    return log_file.is_file() and any(
+        (m := LOG_RE.search(line)) and m.group(1) == "train_inner"
+        for line in log_file.read_text().splitlines())
 
 
 def _ends(segments) -> list:
