@@ -16,6 +16,16 @@ and why):
 ``--plan demo-scale`` runs the whole grid of docs/results.md (most informative runs first);
 ``--jobs 2 --threads 1`` runs two at a time.
 
+``--plan converged`` measures the depth table at a converged schedule (docs/depth_converged.md):
+lr 1e-3 after 2000 warmup updates, validation and a checkpoint every 200 updates, checkpoints
+kept; first the convergence check (Admin 6L-6L and 18L-18L at 2400 and 4800 updates), then
+Post-LN, Pre-LN and Admin at 6L-6L, 12L-12L, 18L-18L and Admin and Pre-LN at 12L-1L and 48L-1L,
+two seeds, seed 1 of every cell first. A run whose process was stopped (a session's end)
+resumes from its ``checkpoint_last.pt`` when the study is called again, and a longer run of a
+configuration continues its kept shorter run (``depthstudy/segments.py``): one run, whose row
+says where it was resumed (``resumed_at``). ``--report-only --publish docs`` rebuilds every
+table, the converged page's included, from the CSV.
+
 Steps (every fairseq / data command is printed before it runs):
 
 1. Data, cached under ``OUT/data`` and skipped when complete: the raw gzip text of
@@ -37,7 +47,7 @@ Steps (every fairseq / data command is printed before it runs):
    them into the docs folder and its results.md). Commands are recorded relative to the
    repository root.
 
-Issue 22 (why the paper's Admin fails at 24L-3L; ``--plan admin-causes``, ``--plan
+Diagnostics (why the paper's Admin fails at 24L-3L; ``--plan admin-causes``, ``--plan
 admin-schedule``): every row also records each sub-layer's omega at initialisation (the
 profile the run's log prints, the variant's file, or the closed form) and at the end (from
 ``checkpoint_last.pt``), the training monitor's encoder / decoder gradient norms (means over
@@ -105,6 +115,7 @@ from depthstudy.plan import (_DEEP_ENC, PLAN_RECIPES, PLANS, POSITIONS,  # noqa:
                              PRESETS, QUICK, SCHEMES, item_args, item_key, run_key,
                              study_name)
 from depthstudy.plot import plotted_study, write_omega_plot, write_plot  # noqa: E402,F401
+from depthstudy import converged  # noqa: E402
 from depthstudy.publish import publish  # noqa: E402,F401
 from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START, append_row,  # noqa: E402,F401
                                distinct_translations, read_rows, write_table)
@@ -144,28 +155,8 @@ def build_parser():
                         "400, 700 updates); d64 = the first study (d 64, FFN 256, warmup 100, "
                         "200 updates). Explicit --embed-dim etc. override it")
     p.add_argument("--plan", choices=sorted(PLANS), default=None,
-                   help="run a predefined grid instead of --schemes x --depths x --seeds: "
-                        "demo-scale = 5 schemes x {6L-6L, 12L-12L, " + _DEEP_ENC + "} with 3 "
-                        "seeds at 12L-12L and for the deep-encoder admin/admin-paper/pre-ln "
-                        "rows, plus the position variants at 12L-3L (2 seeds), most "
-                        "informative runs first; admin-causes = issue 22's factorial (omega "
-                        "source x optimizer) and omega variants; admin-schedule = admin-paper "
-                        "and admin at lr 1e-3 (2 seeds); admin-warmup = the same at lr 1e-3, "
-                        "warmup 2000, 2400 updates; rivals = issue 21's b2t and resi-dual "
-                        "(6L-6L, 12L-12L and " + _DEEP_ENC + ", 3 seeds at depth); deep-shallow = "
-                        "issue 41's encoder/decoder allocation (6-6, 12-3, 12-1, 24-1, 48-1 x "
-                        "post-ln, pre-ln, admin, admin-paper, 3 seeds); deep-shallow-warmup = "
-                        "admin-paper and admin at 12-1 and 24-1, post-ln at 12-1, with lr 1e-3, "
-                        "warmup 2000, 2400 updates; norms-2025 = issue 39's peri-ln, mix-ln and "
-                        "DyT in Pre-LN (pre-ln-dyt) at " + _DEEP_ENC + " and 12L-12L, 3 seeds (seed 1 of "
-                        "every scheme first), with the pre-ln and post-ln rows of the same "
-                        "cells; norms-2025-dyt = DyT in the other placements (peri-ln-dyt, "
-                        "mix-ln-dyt, post-ln-dyt), the same cells and seeds; converged = the "
-                        "depth table at lr 1e-3, warmup 2000: the convergence check (admin "
-                        "6L-6L, 18L-18L at 2400 and 4800 updates), then post-ln, pre-ln, admin "
-                        "at 6L-6L, 12L-12L, 18L-18L and admin, pre-ln at 12L-1L, 48L-1L, "
-                        "2 seeds (docs/depth_converged.md); omega-form = admin-buffer (omega a "
-                        "fixed scalar) at 12L-3L and 24L-3L, 3 seeds, the demo recipe")
+                   help="run a predefined grid (with its own recipe) instead of --schemes x "
+                        "--depths x --seeds; each plan: benchmarks/depthstudy/plan.py")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")
@@ -208,7 +199,7 @@ def build_parser():
                    help="keep checkpoint_best.pt of each run (deleted after BLEU otherwise)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing new: rewrite the table and figures from results.csv "
-                        "(after filling the issue-22 columns of rows whose run folders are "
+                        "(after filling the diagnostic columns of rows whose run folders are "
                         "still in OUT/runs)")
     p.add_argument("--publish", type=Path, default=None, metavar="DIR",
                    help="also copy results.csv -> DIR/depth_study_results.csv, the figure -> "
@@ -294,7 +285,7 @@ def main(argv=None):
         study_cmd = "python benchmarks/depth_study.py " + " ".join(shlex.quote(a) for a in argv)
         run_grid(args, root, grid, unigram_bits, study_cmd, csv_path)
     if (args.out / "data" / "bin").is_dir():
-        # rows recorded before the issue-22 columns, whose runs are still here
+        # rows recorded before the diagnostic columns, whose runs are still here
         backfill(args, args.out / "data", csv_path)
     rows = read_rows(csv_path)
     if not rows:
@@ -313,6 +304,9 @@ def main(argv=None):
     print((args.out / "results_table.md").read_text())
     if args.publish is not None:
         publish(args.out, args.publish)
+        page = args.publish / "depth_converged.md"
+        if page.is_file():  # the converged schedule's tables (depthstudy/converged.py)
+            converged.fill(page, rows, args.out, args.publish)
     return 0
 
 

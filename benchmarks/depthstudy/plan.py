@@ -19,7 +19,7 @@ SCHEMES = {
                       "--admin-omega", "parameter"],
     "admin-paper": DEMO_SCHEMES["admin-paper"],
 }
-# issue 22's factorial: omega source {closed form, eval profile, Clinic profile} x optimizer
+# the factorial of why the paper's Admin fails at 24L-3L: omega source {closed form, eval profile, Clinic profile} x optimizer
 # {Adam, RAdam with Clinic's early steps}; admin, admin-profile and admin-paper are three of
 # its six cells, these the other three
 _RADAM = ["--optimizer", "radam", "--radam-early-steps", "skip"]
@@ -47,7 +47,7 @@ POSITIONS = {
     "learned": ["--encoder-pos-emb", "learned", "--decoder-pos-emb", "learned"],
 }
 
-# recipes: the demo's (default) and the first, d=64 study's (issue 6, rows kept in the docs)
+# recipes: the demo's (default) and the first, d=64 study's (rows kept in the docs)
 PRESETS = {
     "demo": dict(embed_dim=128, ffn_dim=512, heads=4, lr=2e-3, warmup=400, max_tokens=4096,
                  max_update=700),
@@ -125,7 +125,7 @@ def item_key(item, args) -> str:
 
 
 # --------------------------------------------------------------------------- omega variants
-#: issue 22: which of the paper's omegas matter. Each variant trains admin-paper (Clinic
+#: which of the paper's omegas matter. Each variant trains admin-paper (Clinic
 #: profile, omega vectors, RAdam) from omegas that are the run's own Clinic profile (measured
 #: for the same depth and seed, so the same as admin-paper's), changed per stack by the rule
 #: below, and read through ``--admin-profile-path`` (see ``depthstudy.omegas``). "closed" is
@@ -147,13 +147,13 @@ for _name in OMEGA_VARIANTS:
 
 
 # --------------------------------------------------------------------------- the rivals
-#: issue 21: the later rivals of Admin, same recipe (fairseq_admin_pos.schemes)
+#: the later rivals of Admin, same recipe (fairseq_admin_pos.schemes)
 SCHEMES["b2t"] = ["--admin-residual", "b2t"]
 SCHEMES["resi-dual"] = ["--admin-residual", "resi-dual"]
 
 _FACTORIAL = ("admin-paper-adam", "admin-radam", "admin-profile", "admin-profile-radam")
 PLANS["admin-causes"] = (
-    # issue 22, seed 1 of what is not yet known at the deep encoder: the eval profile with
+    # seed 1 of what is not yet known at the deep encoder: the eval profile with
     # either optimizer, then which omegas matter (admin-paper's profile changed per variant)
     [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin-profile", "admin-profile-radam")]
     # (at 24L-3L seed 1 the Clinic profile is below the closed form on 47 of 48 encoder and 8
@@ -174,7 +174,7 @@ PLANS["admin-causes"] = (
     + [(s, _DEEP_ENC, 2, "sinusoidal") for s in OMEGA_VARIANTS]
     + [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("admin-paper-adam", "admin-radam")]
 )
-#: issue 22's schedule factor: the same models at Transformer-Clinic's WMT14 peak lr
+#: the schedule factor: the same models at Transformer-Clinic's WMT14 peak lr
 PLANS["admin-schedule"] = [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (1, 2)
                            for s in ("admin-paper", "admin")]
 PLANS["rivals"] = (
@@ -188,14 +188,14 @@ PLANS["rivals"] = (
 )
 #: a plan's own recipe, over the preset's (an explicit flag still wins)
 PLAN_RECIPES = {"admin-schedule": dict(lr=1e-3)}
-#: issue 22's longer warmup: the same pair at lr 1e-3 with 2000 warmup updates (five times the
+#: the longer warmup: the same pair at lr 1e-3 with 2000 warmup updates (five times the
 #: demo's; the papers use 8000 at 4.5M pairs) and 400 updates after it (the demo has 300), so
 #: a failure that starts when the warmup ends has room to show; about 2.5 h per run here
 PLANS["admin-warmup"] = list(PLANS["admin-schedule"])
 PLAN_RECIPES["admin-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
 
 # --------------------------------------------------------------------------- deep-shallow
-#: issue 41: the encoder/decoder allocation at the demo recipe (Kasai et al. 2021, "Deep
+#: the encoder/decoder allocation at the demo recipe (Kasai et al. 2021, "Deep
 #: Encoder, Shallow Decoder"). Cells 6-6, 12-3 (the demo), 12-1, 24-1, 48-1 for the four
 #: schemes whose stability is in question; most informative runs first: seed 1 of every
 #: 1-layer-decoder cell, then the 12-3 references, then the seeds, the 48-1 cells (three
@@ -212,7 +212,7 @@ PLANS["deep-shallow"] = (
     + [(s, "6L-6L", seed, "sinusoidal") for seed in (1, 2, 3) for s in _DS_SCHEMES]
     + [(s, "48L-1L", seed, "sinusoidal") for seed in (2, 3) for s in _DS_SCHEMES]
 )
-#: issue 41: the paper's Admin at the warmup issue 22 found to train (lr 1e-3, 2000 warmup
+#: the paper's Admin at the longer warmup, where it trains at 24L-3L (lr 1e-3, 2000 warmup
 #: updates, 2400 updates) in the 1-layer-decoder cells, with the closed form beside it: is the
 #: reported shallow-decoder divergence the short-warmup cause or another one. Stock Post-LN
 #: at 12L-1L beside them: it fails at the demo recipe (also at lr 1e-3 and 5e-4) where Kasai et
@@ -223,7 +223,7 @@ PLANS["deep-shallow-warmup"] = (
 PLAN_RECIPES["deep-shallow-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400)
 
 # --------------------------------------------------------------------------- norms 2025
-#: issue 39: the LayerNorm placements Peri-LN and Mix-LN (fairseq_admin_pos.placements) and
+#: the LayerNorm placements Peri-LN and Mix-LN (fairseq_admin_pos.placements) and
 #: DyT in place of LayerNorm (fairseq_admin_pos.norms) in Post-LN, Pre-LN, Peri-LN and Mix-LN.
 #: Admin's omegas are refused with DyT (they give back what a LayerNorm divides out), so
 #: there is no admin-dyt.

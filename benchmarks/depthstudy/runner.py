@@ -246,7 +246,7 @@ def _num(probed, k) -> str:
 
 
 def diagnostics(scheme_flags, log_text, enc, dec, omega_file, curve, warmup, probed) -> dict:
-    """The issue-22 columns of a row: omegas at initialisation and at the end per sub-layer,
+    """The diagnostic columns of a row: omegas at initialisation and at the end per sub-layer,
     per-stack gradient norms (warmup / after), the probe's source and encoder measures."""
     def dump(v):
         return json.dumps(v, sort_keys=True) if v else ""
@@ -498,9 +498,9 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
 
 def backfill(args, root: Path, csv_path: Path) -> None:
     """Fill the probe's columns of rows recorded without them whose run folder is still in
-    ``OUT/runs``. Rows without the issue-22 columns: omegas at initialisation and gradient
+    ``OUT/runs``. Rows without the diagnostic columns: omegas at initialisation and gradient
     norms from its train.log, the probe from its checkpoints where they were kept
-    (``--keep-checkpoints``); rows with them but without issue 41's encoder-collapse columns:
+    (``--keep-checkpoints``); rows with them but without the encoder-collapse columns:
     those, from the kept checkpoints. A row is filled once; the probes run outside the CSV
     lock, and the rows are merged by key under it."""
     filled = {}
@@ -526,7 +526,7 @@ def backfill(args, root: Path, csv_path: Path) -> None:
         filled[r["key"]] = diagnostics(SCHEMES[r["scheme"]], text, int(r["encoder_layers"]),
                                        int(r["decoder_layers"]), omega_file, parse_curve(text),
                                        int(r["warmup"]), probed)
-        log(f"{r['key']}: issue-22 columns filled (source gain "
+        log(f"{r['key']}: diagnostic columns filled (source gain "
             f"{filled[r['key']]['source_gain'] or '-'})")
     if filled:
         with csv_lock(csv_path):

@@ -1,0 +1,159 @@
+"""The depth table at the converged schedule (``--plan converged``), read from the CSV.
+
+Four parts, each a markdown block of ``docs/depth_converged.md`` between its marker lines,
+rewritten by ``--publish`` (and ``--report-only --publish``) from the rows alone:
+
+* ``check``: the convergence check: Admin 6L-6L and 18L-18L (seed 1) at the schedule's
+  length and at twice it (the longer run continues the shorter one), BLEU and validation nll
+  at both, and the length the grid uses (twice the length wherever doubling added 0.5 BLEU or
+  more);
+* ``table``: schemes by depths at the grid's length, BLEU mean +- sample std over seeds, the
+  paper's WMT14 En-De BLEU beside each cell for the shape of the curve (Liu et al. 2020,
+  Table 1; tokenized BLEU on another corpus: not the level);
+* ``nll``: per run, the final training nll, the best and the last validation nll and the
+  update of the best: a validation nll rising after its best while the training nll still
+  falls is over-fitting; both still falling at the end is under-training;
+* ``collapse``: the 48L-1L runs' encoder token cosine course (the training monitor's
+  ``enc_tok_cos``) and the update the monitor's collapse warning fired at, if it did.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .courses import course
+from .plan import CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
+from .report import _mean_spread, _num, curve_path
+
+SCHEMES = ("post-ln", "pre-ln", "admin")
+DEPTHS = ("6L-6L", "12L-12L", "18L-18L", "12L-1L", "48L-1L")
+#: Liu et al. 2020, Table 1, WMT14 En-De (tokenized BLEU; ../shared/reference/anchors.md)
+PAPER = {("post-ln", "6L-6L"): "27.80", ("post-ln", "12L-12L"): "failed",
+         ("post-ln", "18L-18L"): "failed", ("pre-ln", "6L-6L"): "27.27",
+         ("pre-ln", "12L-12L"): "28.26", ("pre-ln", "18L-18L"): "28.38",
+         ("admin", "6L-6L"): "27.90", ("admin", "12L-12L"): "28.58",
+         ("admin", "18L-18L"): "29.03"}
+#: the length doubling must add this much BLEU to set the grid's length to the longer one
+GAIN_BLEU = 0.5
+MARK = "<!-- depth_converged {}: {} -->"
+
+
+def converged_rows(rows):
+    """The rows of ``--plan converged``'s recipe (any length)."""
+    r0 = CONVERGED_RECIPE
+    return [r for r in rows
+            if r["lr"] == f"{r0['lr']:g}" and r["warmup"] == str(r0["warmup"])
+            and r.get("validate_every") == str(r0["validate_every"])
+            and r["embed_dim"] == "128" and r["positions"] == "sinusoidal"
+            and r["dropout"] in ("0.1", "") and not float(r["clip_norm"] or 0)]
+
+
+def _cell(rows, scheme, depth, updates):
+    return sorted((r for r in rows if (r["scheme"], r["depth"], r["max_update"]) ==
+                   (scheme, depth, str(updates))), key=lambda r: int(r["seed"]))
+
+
+def check_lines(rows):
+    lines = ["| shape (Admin, seed 1) | BLEU at 2400 | BLEU at 4800 | gain | best valid nll "
+             "2400 / 4800 | final train nll 2400 / 4800 |", "|---|---|---|---|---|---|"]
+    for depth in ("6L-6L", "18L-18L"):
+        a, b = (next(iter([r for r in _cell(rows, "admin", depth, n) if r["seed"] == "1"]),
+                     None) for n in (2400, 4800))
+        gain = (f"{float(b['bleu']) - float(a['bleu']):+.2f}"
+                if a and b and _num(a["bleu"]) is not None and _num(b["bleu"]) is not None
+                else "-")
+        lines.append(f"| {depth} | {a['bleu'] if a else 'not run yet'} | "
+                     f"{b['bleu'] if b else 'not run yet'} | {gain} | "
+                     f"{a['best_valid_nll'] if a else '-'} / {b['best_valid_nll'] if b else '-'}"
+                     f" | {a['final_train_nll'] if a else '-'} / "
+                     f"{b['final_train_nll'] if b else '-'} |")
+    return lines
+
+
+def _cell_text(rs, paper):
+    if not rs:
+        text = "not run yet"
+    else:
+        text = _mean_spread([r["bleu"] for r in rs]).split(" (")[0] + f" (n={len(rs)})"
+        failed = [r for r in rs if r["status"] != "trained"]
+        if failed:
+            text += f", {len(failed)} {'/'.join(sorted({r['status'] for r in failed}))}"
+    return text + (f"; paper {paper}" if paper else "")
+
+
+def table_lines(rows, updates=CONVERGED_UPDATES):
+    lines = ["| scheme | " + " | ".join(DEPTHS) + " |", "|---|" + "---|" * len(DEPTHS)]
+    for s in SCHEMES:
+        cells = [_cell_text(_cell(rows, s, d, updates), PAPER.get((s, d))) for d in DEPTHS]
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _valid_course(curve):
+    valid = curve.get("valid", []) if curve else []
+    if not valid:
+        return None
+    best = min(valid, key=lambda p: p["nll"])
+    return best, valid[-1]
+
+
+def nll_lines(rows, curve_of):
+    lines = ["| scheme | depth | seed | updates | final train nll | best valid nll (update) | "
+             "last valid nll | reading |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (SCHEMES.index(r["scheme"]) if r["scheme"] in SCHEMES
+                                         else 9, DEPTHS.index(r["depth"]) if r["depth"] in
+                                         DEPTHS else 9, int(r["max_update"]), int(r["seed"]))):
+        path = curve_of(r)
+        course_ = _valid_course(json.loads(path.read_text())) if path else None
+        if course_ is None:
+            continue
+        best, last = course_
+        reading = ("over-fitting: validation nll rose after its best"
+                   if last["nll"] > best["nll"] + 0.02 else
+                   "still improving at the end" if best["update"] == last["update"] else
+                   "flat after its best")
+        lines.append(f"| {r['scheme']} | {r['depth']} | {r['seed']} | {r['max_update']} | "
+                     f"{r['final_train_nll']} | {best['nll']:.3f} ({best['update']}) | "
+                     f"{last['nll']:.3f} | {reading} |")
+    return lines
+
+
+def collapse_lines(rows, curve_of):
+    lines = ["| scheme | seed | BLEU | peak enc_tok_cos (update) | at the end | monitor warned at |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rows if r["depth"] == "48L-1L"),
+                    key=lambda r: (r["scheme"], int(r["seed"]))):
+        path = curve_of(r)
+        c = course(json.loads(path.read_text())["train"], int(r["warmup"])) if path else None
+        if c is None:
+            continue
+        lines.append(f"| {r['scheme']} | {r['seed']} | {r['bleu']} | {c['peak'][1]:.3f} "
+                     f"({c['peak'][0]}) | {c['end'][1]:.3f} | {c['warned'] or 'not warned'} |")
+    return lines
+
+
+def missing_line(rows):
+    done = {(r["scheme"], r["depth"], r["seed"], r["max_update"]) for r in rows}
+    missing = [f"{s} {d} seed {seed} ({n})" for s, d, seed, _, n in PLANS["converged"]
+               if (s, d, str(seed), str(n)) not in done]
+    return (f"Runs of `--plan converged` still to run ({len(missing)}): " + ", ".join(missing)
+            + "." if missing else "Every run of `--plan converged` is recorded.")
+
+
+def fill(page: Path, rows, out: Path, published: Path) -> None:
+    """Rewrite the blocks of ``page`` (those whose markers it has) from ``rows``."""
+    rows = converged_rows(rows)
+
+    def curve_of(r):
+        return curve_path(out, r, published)
+
+    blocks = {"check": check_lines(rows), "table": table_lines(rows) + ["", missing_line(rows)],
+              "nll": nll_lines(rows, curve_of), "collapse": collapse_lines(rows, curve_of)}
+    text = page.read_text()
+    for name, lines in blocks.items():
+        start, end = MARK.format(name, "start"), MARK.format(name, "end")
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            text = head + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1]
+    page.write_text(text)
+
