@@ -23,10 +23,13 @@ sentences whose output equals the plugin's.
     python benchmarks/deploy_speed.py                 # demo_out/admin, 1 thread, 3 rounds
     python benchmarks/deploy_speed.py --threads 2 --rounds 5 --work bench_out/deploy
 
-Issue 41 adds two modes (parts in ``benchmarks/deployspeed/``), each writing one CSV row per
-(shape, scheme, engine, precision, batch, threads) with the CPU, sentences/s, ms per sentence
-and the ratio to the 6L-6L row of the same scheme, engine, precision, batch and threads, and
-printing the rows as a markdown table:
+Two more modes (parts in ``benchmarks/deployspeed/``) time shapes of encoder and decoder
+depth. Each invocation is one timing run with its own id (``run``: UTC start time and
+``--run-label``); it writes one CSV row per (shape, scheme, engine, precision, batch,
+threads) with the CPU, sentences/s, ms per sentence, the ratio to the 6L-6L row of the same
+run, scheme, engine, precision, batch and threads, and CTranslate2's fairseq last step
+(sentences at the length limit and its seconds), **merges** them into the CSV (rows of the
+same run and key replaced, every other run's rows kept) and prints them as a markdown table:
 
 * ``--study-out OUT [--plan deep-shallow] [--cells admin:12L-1L,...]``: one trained
   checkpoint per cell of a depth-study plan through ``fairseq-generate --user-dir`` and the
@@ -39,7 +42,8 @@ printing the rows as a markdown table:
   default ``docs/deploy_speed_shapes.csv``.
 
 ``--quick`` runs either mode in seconds (1 round, 1 thread; tiny WMT shapes, 24 sentences;
-the CSV in the work folder) for the tests:
+the CSV in the work folder) for the tests. The published tables' runs, one command each, are
+in docs/deployment.md ("Deployed speed of the depth study's cells"):
 
     python benchmarks/deploy_speed.py --study-out runs/depth_study --plan deep-shallow
     python benchmarks/deploy_speed.py --wmt-shapes --text runs/depth_study/data/spm
@@ -59,8 +63,8 @@ from typing import Dict, List
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deployspeed.timing import (BEAM, LENPEN, MAX_LEN_A, MAX_LEN_B, REPO,  # noqa: E402,F401
-                                cpu_name, detok, fairseq_generate, markdown, parse_ints,
-                                tool, write_csv)
+                                cpu_name, detok, fairseq_generate, markdown, merge_csv,
+                                parse_ints, run_id, tool)
 
 BATCH = 64
 WAYS = ("fairseq + plugin", "fairseq, exported", "CTranslate2 float32", "CTranslate2 int8")
@@ -126,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "each timed (default 1,2)")
     p.add_argument("--rounds", type=int, default=None,
                    help="measurements per engine (default 3; --quick: 1)")
-    g = p.add_argument_group("issue 41: trained cells of a depth-study plan")
+    g = p.add_argument_group("trained cells of a depth-study plan")
     g.add_argument("--study-out", type=Path, action="append", default=None, metavar="OUT",
                    help="a depth study's output folder (results.csv, runs/*/ckpt, data); "
                    "repeat to search several in order (a cell's first run with a checkpoint "
@@ -136,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cells", default="",
                    help="only these cells, scheme:<enc>L-<dec>L comma list (cells outside the "
                    "plan are looked up with the plan's recipe)")
-    g = p.add_argument_group("issue 41: untrained WMT-base shapes")
+    g = p.add_argument_group("untrained WMT-base shapes")
     g.add_argument("--wmt-shapes", action="store_true",
                    help="time untrained WMT-base shapes as CTranslate2 models with fixed "
                    "output lengths (deployspeed/shapes.py)")
@@ -148,12 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "runs/depth_study/data/spm)")
     g.add_argument("--keep-checkpoints", action="store_true",
                    help="keep the untrained WMT checkpoints after their export")
-    g = p.add_argument_group("both issue-41 modes")
+    g = p.add_argument_group("both depth modes (--study-out, --wmt-shapes)")
     g.add_argument("--batches", default="64,1",
                    help="batch sizes timed (default 64,1: sentences/s at 64, latency at 1)")
     g.add_argument("--csv", type=Path, default=None,
-                   help="the CSV to write (default docs/deploy_speed_cells.csv or "
-                   "docs/deploy_speed_shapes.csv; --quick: in the work folder)")
+                   help="the CSV this run is merged into (default docs/deploy_speed_cells.csv "
+                   "or docs/deploy_speed_shapes.csv; --quick: in the work folder)")
+    g.add_argument("--run-label", default=None,
+                   help="the run id's label after its UTC time (default cells or wmt-shapes)")
     g.add_argument("--quick", action="store_true",
                    help="seconds, for the tests: 1 round, 1 thread; tiny WMT shapes (d 16, "
                    "vocabulary 64) on 24 sentences; the CSV in the work folder")
@@ -166,9 +172,9 @@ def main(argv=None) -> None:
     if args.study_out and args.wmt_shapes:
         p.error("--study-out and --wmt-shapes are two runs: give one")
     if args.study_out or args.wmt_shapes:
-        return issue41_main(args)
-    if args.quick:
-        p.error("--quick applies to --study-out and --wmt-shapes")
+        return depth_main(args)
+    if args.quick or args.run_label:
+        p.error("--quick and --run-label apply to --study-out and --wmt-shapes")
     args.threads = parse_ints(args.threads or "1", "--threads")
     if len(args.threads) != 1:
         p.error("--threads: the demo's comparison takes one thread count")
@@ -182,9 +188,6 @@ def main(argv=None) -> None:
     work = args.work or run_dir / "deploy"
     work.mkdir(parents=True, exist_ok=True)
     paths = export(args, work)
-
-    import sacrebleu
-
     refs = read_lines(args.demo_out / "raw" / "test_2016_flickr.de")
     sources = [line.split() for line in read_lines(args.demo_out / "spm" / "test.en")]
     pieces = [line.split() for line in read_lines(args.demo_out / "spm" / "test.de")]
@@ -205,6 +208,15 @@ def main(argv=None) -> None:
             outputs[way] = hyps
             speeds[way].append(speed)
             print(f"round {r + 1} {way:<22} {speed:8.1f} sentences/s", flush=True)
+
+    report(args, work, outputs, speeds, refs)
+
+
+def report(args, work: Path, outputs: Dict[str, List[str]], speeds: Dict[str, List[float]],
+           refs: List[str]) -> None:
+    """The demo comparison's table (BLEU, median speed, ratio to the plugin, outputs equal
+    to the plugin's) printed and written to ``work/deploy_speed.json``."""
+    import sacrebleu
 
     base = statistics.median(speeds[WAYS[0]])
     rows = []
@@ -231,9 +243,9 @@ def main(argv=None) -> None:
     print(f"\n{cpu_name()}; results in {work / 'deploy_speed.json'}")
 
 
-def issue41_main(args) -> None:
+def depth_main(args) -> None:
     """``--study-out`` (deployspeed/cells.py) or ``--wmt-shapes`` (deployspeed/shapes.py):
-    time, write the CSV, print the markdown table."""
+    one timing run, merged into the CSV; its rows printed as a markdown table."""
     import logging
 
     # fairseq's INFO lines (task setup, model loading) would bury the progress
@@ -260,12 +272,14 @@ def issue41_main(args) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     csv_path = args.csv or (args.work if args.quick else REPO / "docs") / \
         f"deploy_speed_{kind}.csv"
+    args.run = run_id(args.run_label or ("cells" if kind == "cells" else "wmt-shapes"))
     rows = mode.run(args)
-    write_csv(csv_path, rows)
-    print(f"\nbeam {BEAM}, lenpen {LENPEN}, median of {args.rounds} round(s) in rotating order; "
-          f"{cpu_name()}\n")
+    merged = merge_csv(csv_path, rows)
+    print(f"\nrun {args.run}: beam {BEAM}, lenpen {LENPEN}, median of {args.rounds} round(s) "
+          f"in rotating order; {cpu_name()}\n")
     print("\n".join(markdown(rows)))
-    print(f"\n{len(rows)} rows in {csv_path}")
+    print(f"\n{len(rows)} rows of run {args.run} merged into {csv_path} ({len(merged)} rows, "
+          f"{len({r['run'] for r in merged})} runs)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""Deep encoder, shallow decoder (issue 41; Kasai et al., ICLR 2021): the shallow-decoder
+"""Deep encoder, shallow decoder (Kasai et al., ICLR 2021): the shallow-decoder
 presets, every residual scheme at decoder depth 1, and a 1-layer decoder through every path a
 user takes.
 
-* presets: each ``admin_transformer_wmt_en_de_<enc>l_<dec>l`` of the issue, through fairseq's
+* presets: each shallow-decoder ``admin_transformer_wmt_en_de_<enc>l_<dec>l``, through fairseq's
   architecture registry, has its stated depths at WMT base width (512/2048/8 heads); a model
   built from it has those stacks; ``--encoder-layers`` on the command line still wins;
 * one unit test per scheme at decoder depth 1, against the formulas written here: Admin's
@@ -50,7 +50,7 @@ from fairseq_cli_utils import REPO, USER_DIR, env, hypotheses, load_checkpoint, 
 from model_utils import SMALL, assert_incremental_matches_full, build, parse, residuals, \
     sample_batch
 
-# the shallow-decoder presets of issue 41 and their depths, stated here (not read from the
+# the shallow-decoder presets and their depths, stated here (not read from the
 # package): Kasai et al.'s 6-1 and 12-1, the Transformer-Clinic report's 12-2, 18-1, 18-2, and
 # a deeper encoder over one decoder layer
 PRESETS = {"6l_1l": (6, 1), "12l_1l": (12, 1), "12l_2l": (12, 2), "18l_1l": (18, 1),

@@ -1,5 +1,5 @@
 """``deploy_speed.py --study-out OUT``: the deployed speed of each trained shape of a depth
-study plan (issue 41, part 3).
+study plan (the deep-shallow plan's encoder/decoder allocations).
 
 For each scheme x shape cell of ``--plan`` (default ``deep-shallow``; ``--cells`` picks some,
 or adds cells outside the plan), one run's ``checkpoint_best.pt`` is timed: the lowest seed
@@ -20,6 +20,10 @@ All with the study's decoding (beam 4, length penalty 0.6, at most ``1.2 * sourc
 tokens) on test2016: batch 64 (sentences/s) and batch 1 (ms per sentence), each with 1 and 2
 threads (``--threads``, ``--batches``), the (cell, engine, threads) units in rotating order
 for ``--rounds`` rounds. BLEU is sacreBLEU of the timed output against the raw references.
+CTranslate2's rows count the sentences that took ``translate``'s fairseq last step (their
+best hypothesis reached the length limit) and the seconds it took (``fallback_*``, within
+the timed seconds: ``timing``'s docstring); a failed model that runs to the limit spends
+much of its time there.
 """
 from __future__ import annotations
 
@@ -108,22 +112,13 @@ def export_cell(cell, work: Path) -> str:
     return ""
 
 
-def run(args) -> List[Dict[str, str]]:
-    """Export, time every unit in rotating rounds, return the CSV rows (ratios included)."""
-    import sacrebleu
-
-    from depthstudy.common import parse_depth
+def read_texts(outs) -> Dict[Path, Dict]:
+    """Per study folder: test2016's sentencepiece sources and references (the batches'
+    order), the raw references (BLEU) and the target vocabulary's size."""
     from depthstudy.data import SRC, TGT
 
-    picked, missing = pick_checkpoints(args.study_out, args.plan, args.cells)
-    for cell in missing:
-        print(f"no checkpoint for {cell[0]} {cell[1]}: no row of --plan {args.plan} in "
-              f"{', '.join(map(str, args.study_out))} whose run kept its checkpoint_best.pt "
-              "(depth_study.py --keep-checkpoints); not timed", flush=True)
-    if not picked:
-        raise SystemExit("no cell has a checkpoint to time")
     texts = {}
-    for out in {c["out"] for c in picked}:
+    for out in outs:
         spm, raw = out / "data" / "spm", out / "data" / "raw"
         texts[out] = dict(
             sources=[ln.split() for ln in (spm / f"test.{SRC}").read_text().splitlines()],
@@ -132,6 +127,70 @@ def run(args) -> List[Dict[str, str]]:
             # fairseq's dictionary: the file's symbols and its four specials
             vocab=str(len((out / "data" / "bin" / f"dict.{TGT}.txt").read_text().splitlines())
                       + 4))
+    return texts
+
+
+def measure_unit(cell, text, engine: str, precision: str, threads: int, batches):
+    """One unit's timing at each batch size: ``{batch: (sentences, seconds, hypotheses,
+    (fallback sentences, fallback seconds))}``."""
+    got = {}
+    translator = None if engine == PLUGIN else ct2_translator(
+        cell["ct2"] / f"ct2-{precision}", precision, threads)
+    for batch in batches:
+        if engine == PLUGIN:
+            hyps, n, seconds = fairseq_generate(cell["out"] / "data" / "bin",
+                                                cell["checkpoint"], batch, threads, True)
+            fallback = (0, 0.0)  # fairseq forces EOS inside its own search
+        else:
+            tokens, n, seconds, fb = ct2_translate(translator, text["sources"], text["pieces"],
+                                                   batch)
+            hyps, fallback = [detok(t) for t in tokens], (fb.sentences, fb.seconds)
+        got[batch] = (n, seconds, hyps, fallback)
+    return got
+
+
+def unit_row(args, cell, text, unit, batch: int, per_round, cpu: str) -> Dict[str, str]:
+    """The CSV row of one unit at one batch size from its rounds' measurements."""
+    import sacrebleu
+
+    from depthstudy.common import parse_depth
+
+    _, engine, precision, threads = unit
+    r, hyps = cell["row"], per_round[0][2]
+    enc, dec = parse_depth(cell["shape"])
+    notes = []
+    if cell["refused"]:
+        notes.append(f"CTranslate2 not exported: {cell['refused']}")
+    if any(p[2] != hyps for p in per_round[1:]):
+        notes.append("output differs between rounds")
+    if len(hyps) != len(text["refs"]):
+        notes.append(f"{len(hyps)} translations for {len(text['refs'])} references")
+        bleu = ""
+    else:
+        bleu = f"{sacrebleu.metrics.BLEU().corpus_score(hyps, [text['refs']]).score:.2f}"
+    return {
+        "run": args.run, "kind": "cells", "shape": cell["shape"], "encoder_layers": enc,
+        "decoder_layers": dec, "embed_dim": r["embed_dim"], "ffn_dim": r["ffn_dim"],
+        "heads": r["heads"], "vocab": text["vocab"], "scheme": cell["scheme"],
+        "seed": r["seed"], "train_status": r["status"], "engine": engine,
+        "precision": precision, "batch": batch, "threads": threads, "mean_batch": "",
+        **speed_fields([(n, s) for n, s, _, _ in per_round], [p[3] for p in per_round]),
+        "bleu": bleu, "note": "; ".join(notes), "cpu": cpu,
+        "checkpoint": str(cell["checkpoint"].relative_to(cell["out"])),
+    }
+
+
+def run(args) -> List[Dict[str, str]]:
+    """Export, time every unit in rotating rounds, return the CSV rows of run ``args.run``
+    (ratios within it included)."""
+    picked, missing = pick_checkpoints(args.study_out, args.plan, args.cells)
+    for cell in missing:
+        print(f"no checkpoint for {cell[0]} {cell[1]}: no row of --plan {args.plan} in "
+              f"{', '.join(map(str, args.study_out))} whose run kept its checkpoint_best.pt "
+              "(depth_study.py --keep-checkpoints); not timed", flush=True)
+    if not picked:
+        raise SystemExit("no cell has a checkpoint to time")
+    texts = read_texts({c["out"] for c in picked})
     for cell in picked:
         cell["refused"] = export_cell(cell, args.work)
         if cell["refused"]:
@@ -144,52 +203,16 @@ def run(args) -> List[Dict[str, str]]:
         units += [(i, e, p, t) for e, p in engines for t in args.threads]
 
     def measure(unit):
-        i, engine, precision, threads = unit
-        cell, text = picked[i], texts[picked[i]["out"]]
-        got = {}
-        translator = None if engine == PLUGIN else ct2_translator(
-            cell["ct2"] / f"ct2-{precision}", precision, threads)
-        for batch in args.batches:
-            if engine == PLUGIN:
-                hyps, n, seconds = fairseq_generate(cell["out"] / "data" / "bin",
-                                                    cell["checkpoint"], batch, threads, True)
-            else:
-                tokens, n, seconds = ct2_translate(translator, text["sources"], text["pieces"],
-                                                   batch)
-                hyps = [detok(t) for t in tokens]
-            got[batch] = (n, seconds, hyps)
-        return got
+        cell = picked[unit[0]]
+        return measure_unit(cell, texts[cell["out"]], *unit[1:], args.batches)
 
     label = lambda u: f"{picked[u[0]]['scheme']} {picked[u[0]]['shape']} {u[1]} {u[2]}, " \
                       f"{u[3]} thread(s)"  # noqa: E731
     results = rotating_rounds(units, args.rounds, measure, label)
     rows, cpu = [], cpu_name()
-    for k, (i, engine, precision, threads) in enumerate(units):
-        cell, text = picked[i], texts[picked[i]["out"]]
-        r = cell["row"]
-        enc, dec = parse_depth(cell["shape"])
-        for batch in args.batches:
-            per_round = [res[batch] for res in results[k]]
-            hyps = per_round[0][2]
-            notes = []
-            if cell["refused"]:
-                notes.append(f"CTranslate2 not exported: {cell['refused']}")
-            if any(p[2] != hyps for p in per_round[1:]):
-                notes.append("output differs between rounds")
-            if len(hyps) != len(text["refs"]):
-                notes.append(f"{len(hyps)} translations for {len(text['refs'])} references")
-                bleu = ""
-            else:
-                bleu = f"{sacrebleu.metrics.BLEU().corpus_score(hyps, [text['refs']]).score:.2f}"
-            rows.append({
-                "kind": "cells", "shape": cell["shape"], "encoder_layers": enc,
-                "decoder_layers": dec, "embed_dim": r["embed_dim"], "ffn_dim": r["ffn_dim"],
-                "heads": r["heads"], "vocab": text["vocab"], "scheme": cell["scheme"], "seed": r["seed"],
-                "train_status": r["status"], "engine": engine, "precision": precision,
-                "batch": batch, "threads": threads, "mean_batch": "",
-                **speed_fields([(n, s) for n, s, _ in per_round]), "bleu": bleu,
-                "note": "; ".join(notes), "cpu": cpu,
-                "checkpoint": str(cell["checkpoint"].relative_to(cell["out"])),
-            })
+    for k, unit in enumerate(units):
+        cell = picked[unit[0]]
+        rows += [unit_row(args, cell, texts[cell["out"]], unit, batch,
+                          [res[batch] for res in results[k]], cpu) for batch in args.batches]
     add_ratios(rows)
     return rows

@@ -1,5 +1,5 @@
 """``deploy_speed.py --wmt-shapes``: what the encoder/decoder allocation costs at the papers'
-width (issue 41), measured on untrained models.
+width, measured on untrained models.
 
 Speed at width 128 says little about WMT base, so each shape (default 6L-6L, 12L-3L, 12L-1L,
 24L-1L) is built at WMT14 base width (d 512, FFN 2048, 8 heads; ``--arch admin_transformer``
@@ -20,9 +20,11 @@ model, ``OUT/data/spm/test.en``) becomes the synthetic symbol ``w<crc32(piece) m
 (source lengths and repeats kept), and the reference length is the number of pieces of the
 German reference under the same sentencepiece model (a 32k vocabulary would cut a little
 fewer). CTranslate2 takes one output length per call, so a batch holds sentences of one
-reference length only: sentences sorted by (reference length, source length), at most 64 per
-batch, a new batch at each new length (the CSV's ``mean_batch`` is the mean batch size that
-results; at batch 1 it is 1). The figure is the cost of the shape, not of a trained model.
+reference length only: sentences sorted by (reference length, source length), at most
+``--batches`` (e.g. 64) per batch, a new batch at each new length. The CSV's ``batch`` is
+that cap; the batches it gives are smaller: ``mean_batch`` is their mean size (at batch 1
+it is 1), and it, not the cap, is the batch a row measured (docs/deployment.md gives the
+published run's). The figure is the cost of the shape, not of a trained model.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ N_SPECIAL = 4  # fairseq's <s> <pad> </s> <unk>
 CT2_PAD, EOS = "<blank>", "</s>"
 NOTE = ("untrained (fairseq init, seed 1), synthetic joined vocabulary of {vocab} symbols; "
         "output held to each sentence's reference length (min = max decoding length); "
-        "batches of one output length")
+        "batches of one output length, at most {batch} sentence(s) each (their mean size: "
+        "mean_batch)")
 
 
 def write_dictionary(folder: Path, vocab: int) -> None:
@@ -180,7 +183,8 @@ def prepare(args, sizes: Dict[str, int], shapes: Sequence[str], work: Path) -> D
 
 
 def run(args) -> List[Dict[str, str]]:
-    """Every shape x precision x threads x batch, in rotating rounds; the CSV rows."""
+    """Every shape x precision x threads x batch, in rotating rounds; the CSV rows of run
+    ``args.run``."""
     from depthstudy.common import parse_depth
 
     sizes = dict(QUICK if args.quick else WMT)
@@ -220,14 +224,16 @@ def run(args) -> List[Dict[str, str]]:
         for batch in args.batches:
             per_round = [r[batch] for r in results[i]]
             rows.append({
-                "kind": "wmt-shapes", "shape": shape, "encoder_layers": enc,
+                "run": args.run, "kind": "wmt-shapes", "shape": shape, "encoder_layers": enc,
                 "decoder_layers": dec, **{k: sizes[k] for k in ("embed_dim", "ffn_dim", "heads",
                                                                 "vocab")},
                 "scheme": "admin", "seed": "", "train_status": "untrained", "engine": CT2,
                 "precision": precision, "batch": batch, "threads": threads,
                 "mean_batch": f"{statistics.mean(n / c for n, _, c in per_round):.1f}",
-                **speed_fields([(n, s) for n, s, _ in per_round]),
-                "bleu": "", "note": NOTE.format(vocab=sizes["vocab"]), "cpu": cpu,
+                # fixed lengths: no sentence reaches a limit, so no fairseq last step
+                **speed_fields([(n, s) for n, s, _ in per_round],
+                               [(0, 0.0) for _ in per_round]),
+                "bleu": "", "note": NOTE.format(vocab=sizes["vocab"], batch=batch), "cpu": cpu,
                 "checkpoint": "",
             })
     add_ratios(rows)

@@ -1,8 +1,8 @@
-"""Issue 41's answer in the docs: the deep-shallow plan's cells (BLEU and validation nll over
-seeds, failures), their deployed speed (``benchmarks/deploy_speed.py --study-out``), the
-untrained WMT-base shapes' speed (``--wmt-shapes``), the speed-quality figure, the line
-naming the fastest model within 0.5 BLEU of the best, and the paper's Admin at issue 22's
-longer warmup (``--plan deep-shallow-warmup``) beside the same cells at the demo recipe.
+"""The deep-shallow study in the docs: the plan's cells (BLEU and validation nll over seeds,
+failures), their deployed speed (``benchmarks/deploy_speed.py --study-out``), the untrained
+WMT-base shapes' speed (``--wmt-shapes``), the speed-quality figure, the line naming the
+fastest model within 0.5 BLEU of the best, and the paper's Admin at the longer warmup
+(``--plan deep-shallow-warmup``) beside the same cells at the demo recipe.
 
 ``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
 :data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when the plan has rows, and
@@ -10,6 +10,10 @@ left as it is otherwise (also when the page lacks the markers). The speed parts 
 ``DIR/deep_shallow_speed_quality.png`` need ``DIR/deploy_speed_cells.csv``; the WMT shapes
 table needs ``DIR/deploy_speed_shapes.csv``. Every figure the block states is computed here
 from those rows.
+
+Speed is compared within a timing run only (the CSV's ``run``), and a failed timed model is
+left out of the figure and the fastest line (:class:`Speed`, :func:`fastest_line`; the rules
+in docs/deployment.md, "Deployed speed of the depth study's cells").
 """
 from __future__ import annotations
 
@@ -25,10 +29,11 @@ from .plan import PLAN_RECIPES, PLANS, PRESETS, run_key
 from .report import published_curve
 
 PLAN = "deep-shallow"
-#: the paper's Admin at issue 22's longer warmup in the 1-layer-decoder cells (plan.py)
+#: the paper's Admin at the longer warmup (lr 1e-3, warmup 2000) in the 1-layer-decoder
+#: cells (plan.py)
 WARMUP_PLAN = "deep-shallow-warmup"
-#: the same recipe's deep encoder with a 3-layer decoder (``--plan admin-warmup``, issue 22),
-#: where the longer warmup is known to make the paper's Admin train
+#: the same recipe's deep encoder with a 3-layer decoder (``--plan admin-warmup``), where the
+#: longer warmup is known to make the paper's Admin train
 WARMUP_REFERENCE = "24L-3L"
 START = "<!-- deep_shallow table: start -->"
 END = "<!-- deep_shallow table: end -->"
@@ -45,10 +50,14 @@ COMMANDS = [
     # the study itself, keeping each run's checkpoint_best.pt for the speed run
     "python benchmarks/depth_study.py --plan deep-shallow --out runs/depth_study --threads 1 "
     "--jobs 2 --keep-checkpoints",
+    # one timing run of every cell, merged into the CSV: every ratio within that run
     "python benchmarks/deploy_speed.py --study-out runs/depth_study --plan deep-shallow "
-    "--csv docs/deploy_speed_cells.csv",
-    "python benchmarks/deploy_speed.py --wmt-shapes --text runs/depth_study/data/spm "
-    "--csv docs/deploy_speed_shapes.csv",
+    "--batches 64,1 --threads 1 --rounds 1 --csv docs/deploy_speed_cells.csv",
+    # the WMT-width shapes on the first 200 sentences of test2016, as published
+    "mkdir -p runs/wmt200 && for f in test.en test.de; do head -n 200 "
+    "runs/depth_study/data/spm/$f > runs/wmt200/$f; done",
+    "python benchmarks/deploy_speed.py --wmt-shapes --text runs/wmt200 --threads 1,2 "
+    "--rounds 1 --csv docs/deploy_speed_shapes.csv",
     "python benchmarks/depth_study.py --plan deep-shallow --out runs/depth_study "
     "--report-only --publish docs",
 ]
@@ -61,12 +70,12 @@ def plan_args(plan: str) -> argparse.Namespace:
     return argparse.Namespace(**recipe, dropout=0.1, vocab=8000, clip_norm=0.0)
 
 
-#: the issue's order of the shapes (others after them, by total depth)
+#: the study's order of the shapes (others after them, by total depth)
 SHAPES = ("6L-6L", "12L-3L", "12L-1L", "24L-1L", "48L-1L")
 
 
 def plan_cells(plan: str):
-    """``(scheme, depth, positions)`` of the plan, each once: shapes in the issue's order,
+    """``(scheme, depth, positions)`` of the plan, each once: shapes in the study's order,
     schemes in the plan's order."""
     cells = list(dict.fromkeys((s, d, p) for s, d, _, p in PLANS[plan]))
     schemes = list(dict.fromkeys(c[0] for c in cells))
@@ -159,68 +168,140 @@ def most_collapsed(rs) -> str:
     return f"{max(values):.2f}" if values else "-"
 
 
-def read_speed(path: Path):
-    """``{(kind, scheme, shape, engine, precision, batch, threads): row}`` of a deploy-speed
-    CSV ({} without the file)."""
+def speed_key(r):
+    """A speed row's measurement, whatever run made it."""
+    return (r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
+            r["threads"])
+
+
+class Speed:
+    """A deploy-speed CSV's rows (in run order: ``deploy_speed.py`` appends each run's):
+    :meth:`get` gives a measurement's row of the latest run that made it, :meth:`base` the
+    6L-6L row of a row's own run."""
+
+    def __init__(self, rows=()):
+        self.rows = list(rows)
+        self.latest = {speed_key(r): r for r in self.rows}
+        self.in_run = {(r.get("run", ""), *speed_key(r)): r for r in self.rows}
+
+    def get(self, scheme: str, shape: str, key, kind: str = "cells"):
+        return self.latest.get((kind, scheme, shape, *key))
+
+    def base(self, row):
+        """The 6L-6L row of ``row``'s run, kind, scheme and engine settings (None without)."""
+        kind, scheme, _, *settings = speed_key(row)
+        return self.in_run.get((row.get("run", ""), kind, scheme, "6L-6L", *settings))
+
+
+def read_speed(path: Path) -> Speed:
+    """The rows of a deploy-speed CSV (none without the file)."""
     if not path.is_file():
-        return {}
+        return Speed()
     with open(path, newline="") as fh:
-        return {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
-                 r["threads"]): r for r in csv.DictReader(fh)}
+        return Speed(csv.DictReader(fh))
 
 
-def cell_speed(speed, scheme: str, shape: str):
-    """``(sentences/s, the engine key used)`` for the figure and the fastest line: X_SPEED,
-    else X_FALLBACK (a scheme the export refuses); ``(None, None)`` without either."""
+def cell_speed(speed: Speed, scheme: str, shape: str):
+    """``(row, engine key)`` for the figure and the fastest line: X_SPEED, else X_FALLBACK (a
+    scheme the export refuses), each of the latest run that timed it; ``(None, None)``
+    without either."""
     for key in (X_SPEED, X_FALLBACK):
-        r = speed.get(("cells", scheme, shape, *key))
+        r = speed.get(scheme, shape, key)
         if r is not None:
-            return float(r["sentences_per_s"]), key
+            return r, key
     return None, None
 
 
-def cell_ratio(speed, scheme: str, shape: str):
-    """The cell's deployed speed (:func:`cell_speed`) over its scheme's 6L-6L with the same
-    engine, as one timing run measured both: the row's ``ratio_to_6l6l``, so that cells timed
-    in a later run (the machine's speed drifts by 10% and more between runs) are not divided
-    by an earlier run's 6L-6L; the two rows' division where the CSV has no ratio. None
-    without a 6L-6L row of the same engine."""
-    x, key = cell_speed(speed, scheme, shape)
-    base, base_key = cell_speed(speed, scheme, "6L-6L")
-    if x is None or base is None or key != base_key:
+def cell_ratio(row):
+    """The row's ``ratio_to_6l6l`` (its speed over its scheme's 6L-6L with the same engine
+    settings, timed in the same run); None where that run timed no such 6L-6L: rows of
+    different runs are never divided (the machine's speed drifts between runs)."""
+    return float(row["ratio_to_6l6l"]) if row and row.get("ratio_to_6l6l") else None
+
+
+def bleu_gap(speed: Speed, row):
+    """The timed model's BLEU minus that of the 6L-6L its ratio divides by (the two rows'
+    ``bleu``: the timed outputs' own sacreBLEU); None without that 6L-6L or a BLEU."""
+    base = speed.base(row) if row else None
+    if not base or not row.get("bleu") or not base.get("bleu"):
         return None
-    own = speed[("cells", scheme, shape, *key)].get("ratio_to_6l6l")
-    return float(own) if own else x / base
+    return float(row["bleu"]) - float(base["bleu"])
 
 
-def fastest_line(groups, speed) -> str:
-    """The fastest cell (by :func:`cell_speed`) whose mean BLEU is within BLEU_MARGIN of the
-    best cell's mean BLEU, with its speed ratio to 6L-6L of the same scheme."""
+def timed_failure(rs, row) -> str:
+    """Why the cell's timed model failed ('' if it trained): :func:`failure` of the study row
+    of the seed ``row`` timed, else the speed row's own status."""
+    own = [r for r in rs if str(r["seed"]) == str(row.get("seed", ""))]
+    if own:
+        return failure(own[0])
+    status = row.get("train_status") or ""
+    return "" if status in ("", "trained", "untrained") else status
+
+
+def _ranked(groups, speed, near):
+    """``(timed, failed, ranked)`` of the ``near`` cells: those with a speed, those whose
+    timed model failed, and ``(ratio to 2 decimals, cell, row, key)`` of the trained ones
+    whose run timed their scheme's 6L-6L."""
+    timed, failed, ranked = [], [], []
+    for c in near:
+        row, key = cell_speed(speed, c[0], c[1])
+        if row is None:
+            continue
+        timed.append(c)
+        if timed_failure(groups[c], row):
+            failed.append(c)
+        elif cell_ratio(row) is not None:
+            ranked.append((round(cell_ratio(row), 2), c, row, key))
+    return timed, failed, ranked
+
+
+def fastest_line(groups, speed: Speed) -> str:
+    """The fastest cell whose mean BLEU is within BLEU_MARGIN of the best cell's, ranked by
+    the within-run ratio to its scheme's 6L-6L (:func:`cell_ratio`; equal to two decimals is
+    a tie); the BLEU it gives up is the timed models' own (:func:`bleu_gap`)."""
     means = {c: mean_std(r["bleu"] for r in rs)[0] for c, rs in groups.items()}
     means = {c: m for c, m in means.items() if m is not None}
     if not means:
         return "No cell has a BLEU score yet."
     best = max(means, key=lambda c: means[c])
     near = [c for c in means if means[c] >= means[best] - BLEU_MARGIN]
-    timed = [(cell_speed(speed, c[0], c[1]), c) for c in near]
-    timed = [(x, key, c) for (x, key), c in timed if x is not None]
     head = (f"Best model of the study (mean BLEU over seeds): {best[0]} {best[1]}, "
             f"{means[best]:.2f}. ")
+    timed, failed, ranked = _ranked(groups, speed, near)
     if not timed:
         return head + (f"None of the {len(near)} cells within {BLEU_MARGIN} BLEU of it has a "
                        "deployed speed yet, so no fastest model is named.")
-    x, key, c = max(timed, key=lambda t: t[0])
-    how = _engine_label(key)
-    value = cell_ratio(speed, c[0], c[1])
-    if value is not None:
-        ratio = f"{value:.2f} times the speed of {c[0]} 6L-6L in the same timing run"
-    elif cell_speed(speed, c[0], "6L-6L")[0] is None:
-        ratio = f"{c[0]} 6L-6L has no deployed speed, so no ratio is given"
-    else:  # cell_ratio's only other None: the 6L-6L was timed with another engine
-        ratio = f"{c[0]} 6L-6L was timed with another engine, so no ratio is given"
-    return (head + f"Fastest within {BLEU_MARGIN} BLEU of it ({len(near)} cells qualify, "
-            f"{len(timed)} of them timed): **{c[0]} {c[1]}**, mean BLEU {means[c]:.2f}, "
-            f"{x:.1f} sentences/s ({how}), {ratio}.")
+    left = (f"; {len(failed)} left out, their timed model failed" if failed else "")
+    if not ranked:
+        return head + (f"None of the {len(timed)} timed cells within {BLEU_MARGIN} BLEU of it "
+                       "was timed beside its scheme's 6L-6L in one run, so no fastest model "
+                       f"is named (speeds of different runs are not compared{left}).")
+    top = max(r[0] for r in ranked)
+    tied = [r for r in ranked if r[0] == top]
+    if len({r[2].get("run", "") for r in tied}) == 1:  # one run: its speeds compare
+        tied = [max(tied, key=lambda r: float(r[2]["sentences_per_s"]))]
+    named = " and ".join(
+        f"**{c[0]} {c[1]}** (mean BLEU {means[c]:.2f}; {float(row['sentences_per_s']):.1f} "
+        f"sentences/s, {_engine_label(key)}, run {row.get('run') or '-'})"
+        for _, c, row, key in tied)
+    text = (head + f"Fastest within {BLEU_MARGIN} BLEU of it by the speed ratio to its "
+            f"scheme's 6L-6L in the same timing run ({len(near)} cells qualify, {len(timed)} "
+            f"timed, {len(ranked)} beside their 6L-6L{left}): {named}")
+    if len(tied) > 1:
+        text += (f", tied at {top:.2f} times their 6L-6L; their runs differ, and speeds of "
+                 "different runs are not compared")
+    if all(c[1] == "6L-6L" for _, c, _, _ in tied):
+        return text + (f": no cell within {BLEU_MARGIN} BLEU runs faster than its scheme's "
+                       "6L-6L.")
+    if len(tied) > 1:
+        return text + "."
+    _, c, row, _ = tied[0]
+    gap, base = bleu_gap(speed, row), speed.base(row)
+    less = "" if gap is None else (
+        f", for {abs(gap):.2f} BLEU {'less' if gap < 0 else 'more'} (the timed models: seed "
+        f"{row['seed']} {float(row['bleu']):.2f} against 6L-6L seed {base['seed']} "
+        f"{float(base['bleu']):.2f})")
+    return text + f", {top:.2f} times the speed of {c[0]} 6L-6L in the same run{less}."
 
 
 def _engine_label(key) -> str:
@@ -229,33 +310,58 @@ def _engine_label(key) -> str:
     return f"{name}, batch {batch}, {threads} thread{'s' if threads != '1' else ''}"
 
 
-def _speed_table(rows):
-    """One line per (shape, scheme, engine, precision): sentences/s at batch 64 and ms per
-    sentence at batch 1 for each thread count, and the batch-64 1-thread ratio to 6L-6L."""
+def _fallback_cell(r) -> str:
+    """CTranslate2's fairseq last step in a row: sentences / seconds, or why there is none."""
+    if r is None or not r.get("fallback_seconds"):
+        return "-" if r is None else "not recorded"
+    return "0" if r["fallback_sentences"] == "0" else \
+        f"{r['fallback_sentences']} / {float(r['fallback_seconds']):.2f} s"
+
+
+def _speed_table(rows, failed=None):
+    """One line per (run, shape, scheme, engine, precision): sentences/s at batch 64 and ms
+    per sentence at batch 1 for each thread count, the batch-64 1-thread ratio to 6L-6L (of
+    the same run), and where any row has one, CTranslate2's fairseq last step at batch 64, 1
+    thread. ``failed``: ``{(scheme, shape, seed): why}`` of the timed models that failed."""
+    failed = failed or {}
     threads = sorted({r["threads"] for r in rows}, key=int)
-    cols = [f"batch 64, {t} thr: sent/s" for t in threads] + \
-           [f"batch 1, {t} thr: ms/sent" for t in threads]
-    lines = ["| shape | scheme | seed | engine | " + " | ".join(cols) +
-             " | ratio to 6L-6L (batch 64, 1 thr) |",
-             "|---|---|---|---|" + "---:|" * (len(cols) + 1)]
+    runs = list(dict.fromkeys(r.get("run", "") for r in rows))
+    with_fallback = any(r["engine"] == CT2 and r.get("fallback_sentences", "") != "0"
+                        for r in rows)
+    # a batch of fixed-length shapes holds one output length: 64 is a cap, mean_batch what ran
+    means = sorted({r["mean_batch"] for r in rows if r["batch"] == "64" and r.get("mean_batch")})
+    b64 = f"batch cap 64 (mean {'/'.join(means)})" if means else "batch 64"
+    cols = [f"{b64}, {t} thr: sent/s" for t in threads] + \
+           [f"batch 1, {t} thr: ms/sent" for t in threads] + ["ratio to 6L-6L (batch 64, 1 thr)"]
+    cols += ["at the length limit: sentences / s (batch 64, 1 thr)"] if with_fallback else []
+    lines = ["| shape | scheme | seed | engine | " + " | ".join(cols) + " | run |",
+             "|---|---|---|---|" + "---:|" * len(cols) + "---|"]
     groups = {}
     for r in rows:
-        groups.setdefault((r["shape"], r["scheme"], r["engine"], r["precision"]), {})[
-            r["batch"], r["threads"]] = r
-    order = lambda k: (_shape_order(k[0]), k[1], k[2] != PLUGIN, k[3])  # noqa: E731
-    for (shape, scheme, engine, precision), g in sorted(groups.items(), key=lambda kv:
-                                                        order(kv[0])):
+        groups.setdefault((r.get("run", ""), r["shape"], r["scheme"], r["engine"],
+                           r["precision"]), {})[r["batch"], r["threads"]] = r
+    def order(item):
+        run, shape, scheme, engine, precision = item[0]
+        return _shape_order(shape), scheme, engine != PLUGIN, precision, runs.index(run)
+
+    for (run, shape, scheme, engine, precision), g in sorted(groups.items(), key=order):
         any_row = next(iter(g.values()))
         vals = [g.get(("64", t)) for t in threads] + [g.get(("1", t)) for t in threads]
         cells = [f"{float(v['sentences_per_s']):.1f}" if v and i < len(threads) else
                  f"{float(v['ms_per_sentence']):.2f}" if v else "-" for i, v in enumerate(vals)]
         base = g.get(("64", "1"))
+        cells.append((base or {}).get("ratio_to_6l6l") or "-")
+        if with_fallback:
+            cells.append(_fallback_cell(base) if engine == CT2 else "-")
         label = f"{engine} {precision}" if engine == CT2 else "fairseq + plugin"
         seed = any_row["seed"] or "-"
-        if any_row.get("train_status") not in (None, "", "trained", "untrained"):
+        why = failed.get((scheme, shape, seed))
+        if why:
+            seed += f" (failed: {why})"
+        elif any_row.get("train_status") not in (None, "", "trained", "untrained"):
             seed += f" ({any_row['train_status']})"  # no seed of the cell trained
-        lines.append(f"| {shape} | {scheme} | {seed} | {label} | "
-                     + " | ".join(cells) + f" | {(base or {}).get('ratio_to_6l6l') or '-'} |")
+        lines.append(f"| {shape} | {scheme} | {seed} | {label} | " + " | ".join(cells) +
+                     f" | {run or '-'} |")
     return lines
 
 
@@ -283,12 +389,12 @@ def warmup_lines(wgroups, short):
     if not wgroups:
         return []
     recipe, demo_recipe = _recipe(plan_args(WARMUP_PLAN)), _recipe(plan_args(PLAN))
-    lines = ["", f"`--plan {WARMUP_PLAN}`: the paper's Admin and the closed form at issue 22's "
+    lines = ["", f"`--plan {WARMUP_PLAN}`: the paper's Admin and the closed form at the "
              f"longer warmup ({recipe}; the {WARMUP_REFERENCE} rows are `--plan "
              f"admin-warmup`'s, the same recipe), and stock Post-LN at 12L-1L (Kasai et al.'s "
              "scheme, which fails here at the demo recipe), beside the same cell at the demo "
-             f"recipe ({demo_recipe}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} --out "
-             "runs/depth_study --threads 1 --jobs 2`:", "",
+             f"recipe ({demo_recipe}); `python benchmarks/depth_study.py --plan {WARMUP_PLAN} "
+             "--out runs/depth_study --threads 1 --jobs 2`:", "",
              f"| shape | scheme | seeds | BLEU ({recipe}) | best valid nll (bits) | failures | "
              "distinct | BLEU at the demo recipe |",
              "|---|---|---|---|---|---|---:|---|"]
@@ -320,94 +426,138 @@ def warmup_lines(wgroups, short):
     return lines
 
 
-def block(groups, speed_rows, shape_rows, figure: bool, warmup=None, courses=()) -> str:
-    """The markdown between the markers; ``warmup``: ``(warmup_cells(rows), the same cells'
-    rows at the demo recipe)``, the warmup table's input, or None; ``courses``: the lines of
-    ``courses.course_lines`` (the encoder token cosine while training), or none."""
-    speed = {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
-              r["threads"]): r for r in speed_rows}
-    n_runs = sum(len(rs) for rs in groups.values())
-    n_planned = len(PLANS[PLAN])
-    lines = [f"`--plan {PLAN}` (demo recipe; sacreBLEU on test2016, beam 4): {n_runs} of "
-             f"{n_planned} planned runs recorded. BLEU and best valid nll: mean +- sample "
-             "std over the seeds recorded; failures: runs whose status is not `trained`, and "
-             f"runs whose decoder {SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} bits "
-             "per token: their validation nll barely changes when each sentence is given another's "
-             "source). "
-             f"Deployed: sentences/s of the cell's timed model, {X_LABEL} "
+def _cells_table(groups, speed: Speed):
+    """The table of the plan's cells: BLEU, nll and failures over seeds, the timed model's
+    speed (its run, the ratio to its 6L-6L, its BLEU minus that 6L-6L's), distinct, cos."""
+    lines = [f"`--plan {PLAN}` (demo recipe; sacreBLEU on test2016, beam 4): "
+             f"{sum(len(rs) for rs in groups.values())} of {len(PLANS[PLAN])} planned runs "
+             "recorded. BLEU and best valid nll: mean +- sample std over the seeds recorded; "
+             "failures: runs whose status is not `trained`, and runs whose decoder "
+             f"{SOURCE_BLIND} (source gain under {SOURCE_BLIND_BITS} bits per token: their "
+             "validation nll barely changes when each sentence is given another's source). "
+             f"Deployed: sentences/s of the cell's timed model (one seed), {X_LABEL} "
              "(fairseq-generate with the plugin, batch 64, 1 thread, where the scheme cannot "
-             "be exported). Distinct: the fewest different translations of the 1000 test "
-             "sentences over the seeds (a few hundred or less: the decoder ignores most of the "
-             "source, whatever the status says). Encoder cos: the highest over the seeds "
-             "probed of the mean cosine between the encoder outputs of two different source "
-             "tokens (200 validation sentences; 1: a collapsed encoder that gives the decoder "
-             "one vector whatever the source).", "",
+             "be exported), from the latest timing run that timed it; ratio: over its "
+             "scheme's 6L-6L timed in the same run (- where that run timed none); BLEU vs "
+             "6L-6L: the timed model's BLEU minus that 6L-6L model's; (failed): the timed "
+             "model failed, so its speed is not the shape's. Distinct: the fewest different "
+             "translations of the 1000 test sentences over the seeds (a few hundred or less: "
+             "the decoder ignores most of the source, whatever the status says). Encoder "
+             "cos: the highest over the seeds probed of the mean cosine between the encoder "
+             "outputs of two different source tokens (200 validation sentences; 1: a "
+             "collapsed encoder that gives the decoder one vector whatever the source).", "",
              "| shape | scheme | seeds | n | BLEU | best valid nll (bits) | failures | "
-             "deployed sentences/s | ratio to 6L-6L | distinct | encoder cos |",
-             "|---|---|---|---:|---|---|---|---:|---:|---:|---:|"]
+             "deployed sentences/s | run | ratio to 6L-6L | BLEU vs 6L-6L | distinct | "
+             "encoder cos |",
+             "|---|---|---|---:|---|---|---|---:|---|---:|---:|---:|---:|"]
     for (scheme, depth, _pos), rs in groups.items():
-        x, key = cell_speed(speed, scheme, depth)
-        shown = "-" if x is None else f"{x:.1f}" + ("" if key == X_SPEED else " (plugin)")
-        own = cell_ratio(speed, scheme, depth)
-        ratio = "-" if own is None else f"{own:.2f}"
+        row, key = cell_speed(speed, scheme, depth)
+        shown = "-" if row is None else f"{float(row['sentences_per_s']):.1f}" + (
+            "" if key == X_SPEED else " (plugin)") + (
+            " (failed)" if timed_failure(rs, row) else "")
+        ratio, gap = cell_ratio(row), bleu_gap(speed, row)
+        timing = (f"{shown} | {(row or {}).get('run') or '-'} | "
+                  f"{'-' if ratio is None else f'{ratio:.2f}'} | "
+                  f"{'-' if gap is None else f'{gap:+.2f}'}")
         if not rs:
-            lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | {shown} | "
-                         f"{ratio} | - | - |")
+            lines.append(f"| {depth} | {scheme} | - | 0 | not run yet | - | - | {timing} | - "
+                         "| - |")
             continue
         lines.append(f"| {depth} | {scheme} | {','.join(r['seed'] for r in rs)} | {len(rs)} | "
                      f"{fmt_mean([r['bleu'] for r in rs], 2)} | "
                      f"{fmt_mean([r['best_valid_nll'] for r in rs], 3)} | {failures(rs)} | "
-                     f"{shown} | {ratio} | {fewest_distinct(rs)} | {most_collapsed(rs)} |")
+                     f"{timing} | {fewest_distinct(rs)} | {most_collapsed(rs)} |")
+    return lines
+
+
+def failed_timed(groups, speed_rows):
+    """``{(scheme, shape, seed): why}`` of every timed model that failed."""
+    by_cell = {(s, d): rs for (s, d, _), rs in groups.items()}
+    found = [(r, timed_failure(by_cell.get((r["scheme"], r["shape"]), []), r))
+             for r in speed_rows]
+    return {(r["scheme"], r["shape"], r["seed"]): why for r, why in found if why}
+
+
+def _speed_lines(groups, speed_rows, figure: bool):
+    """The per-row speed table of the cells, what it leaves out, the figure."""
+    if not speed_rows:
+        return ["Deployed speed: not measured yet (`" + COMMANDS[1] + "`)."]
+    failed = failed_timed(groups, speed_rows)
+    cpu = sorted({r["cpu"] for r in speed_rows})
+    rounds = sorted({r["rounds"] for r in speed_rows}, key=int)
+    refused = sorted({f"{r['scheme']} ({r['note']})" for r in speed_rows
+                      if r["engine"] == PLUGIN and "not exported" in r["note"]})
+    lines = ["Deployed speed of every cell (one seed's model each; test2016, beam 4, length "
+             f"penalty 0.6, median of {'/'.join(rounds)} round(s) in rotating order; "
+             f"{'; '.join(cpu)}); each line one timing run (`run`, docs/deployment.md), its "
+             "ratio over the 6L-6L of the same scheme timed in that run:", ""]
+    lines += _speed_table(speed_rows, failed)
+    if refused:
+        lines += ["", "Plugin speed only (CTranslate2 export refused): " +
+                  "; ".join(refused) + "."]
+    if failed:
+        names = ", ".join(sorted({f"{s} {d}" for s, d, _ in failed}))
+        lines += ["", f"Failed timed models ({names}): their speed is what they emit, mostly "
+                  "to the length limit, and CTranslate2's time holds `translate`'s fairseq last "
+                  "step for every sentence that reaches the limit (a second beam search and one "
+                  "`score_batch` call each; the `at the length limit` column where the run "
+                  "recorded it). They are left out of the figure and the fastest line."]
+    if figure:
+        lines += ["", f"![speed against BLEU]({FIGURE}) x: {X_LABEL} (plugin where the "
+                  "scheme cannot be exported; log scale; different timing runs, whose speeds "
+                  "drift, in one picture); y: mean BLEU over seeds, error bars one sample std; "
+                  "cells whose timed model failed left out."]
+    return lines
+
+
+def _shapes_lines(shape_rows):
+    """The WMT-width shapes' table, with the batches they really ran."""
+    if not shape_rows:
+        return []
+    mean64 = next((r["mean_batch"] for r in shape_rows if r["batch"] == "64"), "-")
+    return ["", "The same shapes at WMT base width (d 512, FFN 2048, 8 heads, a joined "
+            f"vocabulary of {shape_rows[0]['vocab']} symbols), CTranslate2: **untrained "
+            "models with the output length held to each sentence's reference length** (min = "
+            "max decoding length; the synthetic vocabulary and inputs are described in "
+            "benchmarks/deployspeed/shapes.py), so the figures are the cost of the shape and "
+            "not of what a model emits. A batch holds sentences of one output length only: "
+            f"\"batch 64\" is a cap of 64, the batches it gave held {mean64} sentences on "
+            f"average ({shape_rows[0]['sentences']} sentences). "
+            f"{'; '.join(sorted({r['cpu'] for r in shape_rows}))}:", ""] + \
+        _speed_table(shape_rows)
+
+
+def block(groups, speed_rows, shape_rows, figure: bool, warmup=None, courses=()) -> str:
+    """The markdown between the markers; ``warmup``: ``(warmup_cells(rows), the same cells'
+    rows at the demo recipe)``, the warmup table's input, or None; ``courses``: the lines of
+    ``courses.course_lines`` (the encoder token cosine while training), or none."""
+    speed = Speed(speed_rows)
+    lines = _cells_table(groups, speed)
     lines += ["", fastest_line(groups, speed), ""]
-    if speed_rows:
-        cpu = sorted({r["cpu"] for r in speed_rows})
-        refused = sorted({f"{r['scheme']} ({r['note']})" for r in speed_rows
-                          if r["engine"] == PLUGIN and "not exported" in r["note"]})
-        lines += ["Deployed speed of every cell (one seed's model each; test2016, beam 4, "
-                  f"length penalty 0.6, median of {speed_rows[0]['rounds']} rounds in rotating "
-                  f"order; {'; '.join(cpu)}):", ""] + _speed_table(speed_rows)
-        if refused:
-            lines += ["", "Plugin speed only (CTranslate2 export refused): " +
-                      "; ".join(refused) + "."]
-        if figure:
-            lines += ["", f"![speed against BLEU]({FIGURE}) x: {X_LABEL} (plugin where the "
-                      "scheme cannot be exported; log scale); y: mean BLEU over seeds, error "
-                      "bars one sample std."]
-    else:
-        lines += ["Deployed speed: not measured yet (`" + COMMANDS[1] + "`)."]
-    if shape_rows:
-        lines += ["", "The same shapes at WMT base width (d 512, FFN 2048, 8 heads, a joined "
-                  f"vocabulary of {shape_rows[0]['vocab']} symbols), CTranslate2: **untrained "
-                  "models with the output length held to each sentence's reference length** "
-                  "(min = max decoding length; the synthetic vocabulary and inputs are described "
-                  "in benchmarks/deployspeed/shapes.py), so the figures are the cost of the "
-                  "shape and not of what a model emits; batches hold one output length (mean "
-                  "size at batch 64: "
-                  f"{next((r['mean_batch'] for r in shape_rows if r['batch'] == '64'), '-')}). "
-                  f"{'; '.join(sorted({r['cpu'] for r in shape_rows}))}:", ""]
-        lines += _speed_table(shape_rows)
+    lines += _speed_lines(groups, speed_rows, figure)
+    lines += _shapes_lines(shape_rows)
     if warmup:
         lines += warmup_lines(*warmup)
     if courses:
         lines += [""] + list(courses)
-    lines += ["", "Reproduce (the study, then the two speed runs, then this block):", "",
-              "```bash"] + COMMANDS + ["```"]
+    lines += ["", "Reproduce (the study, then the two speed runs, then this block; each "
+              "timing run is merged into its CSV, docs/deployment.md lists the published "
+              "runs' commands):", "", "```bash"] + COMMANDS + ["```"]
     return "\n".join(lines) + "\n"
 
 
 def plot_points(groups, speed_rows):
-    """One point per cell with a BLEU and a speed: x the speed of :func:`cell_speed`, y the
-    mean BLEU, yerr its sample std (0 for one seed)."""
-    speed = {(r["kind"], r["scheme"], r["shape"], r["engine"], r["precision"], r["batch"],
-              r["threads"]): r for r in speed_rows}
+    """One point per cell with a BLEU and a speed whose timed model trained: x the speed of
+    :func:`cell_speed`, y the mean BLEU, yerr its sample std (0 for one seed)."""
+    speed = Speed(speed_rows)
     points = []
     for (scheme, depth, _pos), rs in groups.items():
         m, s, n = mean_std(r["bleu"] for r in rs)
-        x, key = cell_speed(speed, scheme, depth)
-        if m is None or x is None:
+        row, key = cell_speed(speed, scheme, depth)
+        if m is None or row is None or timed_failure(rs, row):
             continue
-        points.append(dict(scheme=scheme, shape=depth, x=x, y=m, yerr=s or 0.0, n=n,
-                           exported=key == X_SPEED))
+        points.append(dict(scheme=scheme, shape=depth, x=float(row["sentences_per_s"]), y=m,
+                           yerr=s or 0.0, n=n, exported=key == X_SPEED))
     return points
 
 
@@ -421,8 +571,8 @@ def fill_block(text: str, rows, dest: Path, log=print) -> str:
     if not any(groups.values()):
         log(f"no rows of --plan {PLAN} yet: the deep-shallow block is left as it is")
         return text
-    speed_rows = [r for r in read_speed(dest / CELLS_CSV).values() if r["kind"] == "cells"]
-    shape_rows = list(read_speed(dest / SHAPES_CSV).values())
+    speed_rows = [r for r in read_speed(dest / CELLS_CSV).rows if r["kind"] == "cells"]
+    shape_rows = read_speed(dest / SHAPES_CSV).rows
     figure = False
     if speed_rows:
         from .plot import write_speed_quality_plot

@@ -41,14 +41,27 @@ How ``fairseq-generate --beam K --lenpen L --max-len-a A --max-len-b B`` (fairse
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ["max_decoding_length", "translate"]
+__all__ = ["FallbackTime", "max_decoding_length", "translate"]
 
 #: the converter's name for fairseq's <pad> (ctranslate2.converters.fairseq._get_vocab)
 CT2_PAD = "<blank>"
 #: fairseq's EOS, which the converter keeps as the end token
 EOS = "</s>"
+
+
+@dataclass
+class FallbackTime:
+    """What :func:`translate` spent on fairseq's last step (module docstring, "forced EOS"):
+    ``sentences`` whose best hypothesis reached the length limit, and the ``seconds`` of the
+    second beam search and the per-sentence ``score_batch`` calls they took. Pass one to
+    ``translate(..., fallback=...)``; it adds to the counts, so one object can sum calls."""
+
+    sentences: int = 0
+    seconds: float = 0.0
 
 
 def max_decoding_length(source_len: int, max_len_a: float, max_len_b: int) -> int:
@@ -60,8 +73,8 @@ def max_decoding_length(source_len: int, max_len_a: float, max_len_b: int) -> in
 
 def translate(translator, sources: Sequence[Sequence[str]], beam: int, lenpen: float,
               max_len_a: float = 0.0, max_len_b: int = 200, batch_size: int = 64,
-              references: Optional[Sequence[Sequence[str]]] = None
-              ) -> List[Tuple[List[str], float]]:
+              references: Optional[Sequence[Sequence[str]]] = None,
+              fallback: Optional[FallbackTime] = None) -> List[Tuple[List[str], float]]:
     """``(tokens, score)`` per source, in input order: CTranslate2's best hypothesis with
     fairseq-generate's settings, fairseq's forced EOS done afterwards where the best
     reached the length limit (module docstring); ``score`` is the length-normalised
@@ -72,6 +85,10 @@ def translate(translator, sources: Sequence[Sequence[str]], beam: int, lenpen: f
     without targets), or, given the tokenised ``references``, ties by reference length
     first (fairseq-generate on a split with targets, ``LanguagePairDataset.ordered_indices``).
     The batch decides the length limit, so this matters only where a hypothesis reaches it.
+
+    ``fallback`` (a :class:`FallbackTime`), if given, gets the sentences that took the last
+    step and its seconds added: a caller timing ``translate`` can tell CTranslate2's search
+    from that step, which costs most on models that run to the limit.
     """
     if references is not None and len(references) != len(sources):
         raise ValueError(f"{len(references)} references for {len(sources)} sources")
@@ -95,6 +112,7 @@ def translate(translator, sources: Sequence[Sequence[str]], beam: int, lenpen: f
                 at_limit.append(i)
         if not at_limit:
             continue
+        t0 = time.perf_counter()
         # the same searches stopped one step earlier: their unfinished hypotheses are the
         # beams fairseq forces EOS onto
         before = translator.translate_batch(
@@ -104,6 +122,9 @@ def translate(translator, sources: Sequence[Sequence[str]], beam: int, lenpen: f
         for i, res in zip(at_limit, before):
             hypotheses = list(out[chunk.index(i)].hypotheses) + list(res.hypotheses)
             results[i] = _force_eos(translator, list(sources[i]), hypotheses, limit - 1, lenpen)
+        if fallback is not None:
+            fallback.sentences += len(at_limit)
+            fallback.seconds += time.perf_counter() - t0
     return results
 
 
