@@ -10,9 +10,8 @@ built (``O(N C)``, not ``O(N^2 C)``). A value near 1 is a *collapsed* encoder: e
 every sentence hands the decoder nearly one vector, and the translation cannot depend on the
 source (the rank collapse of deep attention stacks, Dong, Cordonnier and Loukas 2021,
 "Attention is not all you need: pure attention loses rank doubly exponentially with depth",
-arXiv 2103.03404). In this package's depth study every run whose decoder ignored the source
-completely had a trained encoder at 1.000, and every run that trained 0.66 or less
-(docs/results.md, "Encoder collapse across the study").
+arXiv 2103.03404). What the measure showed in the package's depth study, and on which runs
+the warning's line was set: docs/training.md#the-encoder-collapse-warning.
 
 Two entry points share the formula:
 
@@ -35,12 +34,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-#: An interval-mean ``enc_tok_cos`` above this, for a whole logging interval after the learning
-#: rate's warmup, is reported as a collapsed encoder. Measured in this package's depth study
-#: (docs/results.md, "The collapse while training"): runs that trained pass through 0.87-0.98
-#: while they first learn the target language, but each was under 0.9 for good before its warmup
-#: ended; each run that failed (its decoder ignoring the source) was above 0.9 after its warmup.
-#: That is one recipe and one width (d=128, Multi30k), so the monitor warns and never stops a run.
+#: The rule: an interval-mean ``enc_tok_cos`` above this, for a whole logging interval after
+#: the learning rate's warmup, is reported as a collapsed encoder (a run that trains may pass
+#: above it while it first learns the target language, before its warmup ends). The line was
+#: set on one recipe and one width, so the monitor warns and never stops a run; the runs it was
+#: set and checked on: docs/training.md#the-encoder-collapse-warning.
 COLLAPSE_COS = 0.9
 
 
@@ -57,10 +55,10 @@ def collapse_warning(cos: float, first_update: int, last_update: int,
         return None
     return (f"enc_tok_cos {cos:.4f} over updates {first_update}-{last_update}, after the "
             f"{warmup_updates}-update warmup: the encoder gives different source tokens nearly "
-            f"the same output (a collapsed encoder), so the decoder can hardly use the source. "
-            f"In this package's depth study every run above {COLLAPSE_COS} after its warmup "
-            f"failed to translate, and a lower --lr or a longer schedule (--warmup-updates, "
-            f"--max-update) trained the same shape (docs/training.md); warned once per run")
+            f"the same output (a collapsed encoder), so the decoder can hardly use the source "
+            f"(rule: a whole logging interval after the warmup above {COLLAPSE_COS}; a warning, "
+            f"not a stop). A lower --lr or a longer schedule (--warmup-updates, --max-update) "
+            f"may avoid it: docs/training.md#the-encoder-collapse-warning; warned once per run")
 
 
 def mean_pairwise_cosine(vectors: Tensor) -> float:

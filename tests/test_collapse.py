@@ -2,13 +2,19 @@
 the offline float form against the full N x N cosine matrix, pads left out, the collapsed and
 degenerate cases, and no host read; the monitor's collapse warning rule."""
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from dispatch_utils import NoValueReads
 from fairseq_cli_utils import cos_by_matrix
+from fairseq_admin_pos import collapse
 from fairseq_admin_pos.collapse import collapse_warning, mean_pairwise_cosine, token_cosine
+from test_docs_links import anchors
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def padded_batch(seed: int, shared: float):
@@ -87,3 +93,19 @@ def test_collapse_warning_needs_a_whole_interval_after_the_warmup_above_the_line
         assert message.startswith(f"enc_tok_cos {cos:.4f} over updates {first}-{last}, after "
                                   f"the {warmup}-update warmup: ")
         assert "\n" not in message and "--lr" in message and "--warmup-updates" in message
+        # the rule, and no figure but the interval's own and the line's: the study's counts
+        # live on the docs page the message links
+        assert f"a whole logging interval after the warmup above {collapse.COLLAPSE_COS}" \
+            in message
+        numbers = set(re.findall(r"\d+(?:\.\d+)?", message))
+        assert numbers <= {f"{cos:.4f}", str(first), str(last), str(warmup),
+                           str(collapse.COLLAPSE_COS)}, numbers
+
+
+def test_the_collapse_rule_links_a_heading_of_the_training_page():
+    # the warning and the module docstring point at the page that holds the figures
+    message = collapse_warning(0.95, 401, 410, 400)
+    link = re.search(r"docs/training\.md#([\w-]+)", message).group(1)
+    assert link in anchors(ROOT / "docs" / "training.md")
+    assert f"docs/training.md#{link}" in collapse.__doc__
+    assert not re.search(r"\b0\.\d\d\b|\b1\.000\b", collapse.__doc__)  # no measured value

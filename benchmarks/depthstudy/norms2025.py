@@ -1,9 +1,11 @@
-"""Issue 39's answer in the docs: Peri-LN, Mix-LN and DyT (in Pre-LN, the issue's grid; in
-Post-, Peri- and Mix-LN, ``--plan norms-2025-dyt``, beyond it) next to Admin, Pre-LN and
-Post-LN on the study's deep cells (24L-3L, 12L-12L), and their training speed against stock.
+"""The 2025 placements in the docs: Peri-LN, Mix-LN and DyT (in Pre-LN, ``--plan norms-2025``;
+in Post-, Peri- and Mix-LN, ``--plan norms-2025-dyt``) next to Admin, Pre-LN and Post-LN on the
+study's deep cells (24L-3L, 12L-12L) at the demo schedule, and their training speed against
+stock.
 
 ``--publish DIR`` (``publish.publish``) calls :func:`fill_block`: the block between
-:data:`START` and :data:`END` of ``DIR/results.md`` is rewritten when either plan has a row
+:data:`START` and :data:`END` of the result page that holds them (``DIR/results.md`` or a
+``DIR/results-*.md``) is rewritten when either plan has a row
 of its own schemes, and left as it is otherwise (also when the page lacks the markers). Every
 figure in the block is computed here from the rows and from the JSON files that
 ``benchmarks/speed_vs_stock.py --json DIR/speed_norms_2025_<name>.json`` writes (one table per
@@ -11,19 +13,22 @@ file: words/s of each variant over stock's and over Pre-LN's, measured in one ru
 
 The baselines are the demo-scale study's rows with the same recipe (a row already in
 ``results.csv`` is not run again), so ``admin`` is shown although the plan has no admin run:
-the question the issue asks is where each new scheme stands against Admin at depth.
+the question is where each new scheme stands against Admin at depth. A run counts as failed by
+``report.outcome``: its status, or a decoder that ignores the source (a source gain under the
+line, or, never probed, one translation for every input).
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
-from .deepshallow import (SOURCE_BLIND, SOURCE_BLIND_BITS, cell_rows, failures, fewest_distinct,
-                          fmt_mean, mean_std)
+from .deepshallow import cell_rows, fewest_distinct, fmt_mean, mean_std
 from .plan import PLANS
+from .report import SOURCE_BLIND, SOURCE_BLIND_BITS, outcome
 
 PLAN = "norms-2025"
-#: the issue's grid, then DyT in the other placements (same recipe, same block)
+#: the placements' grid, then DyT in the other placements (same recipe, same block)
 PLAN_NAMES = (PLAN, "norms-2025-dyt")
 START = "<!-- norms_2025 table: start -->"
 END = "<!-- norms_2025 table: end -->"
@@ -43,6 +48,12 @@ COMMANDS = [
     "python benchmarks/depth_study.py --plan norms-2025 --out runs/depth_study "
     "--report-only --publish docs",
 ]
+
+
+def failures(rs) -> str:
+    """The runs that failed, counted by ``report.outcome`` (``none`` when every run trained)."""
+    bad = Counter(f for f in map(outcome, rs) if f)
+    return ", ".join(f"{n} {why}" for why, n in sorted(bad.items())) or "none"
 
 
 def plan_cells():
@@ -104,14 +115,15 @@ def block(groups, speed_files) -> str:
         planned = {(s, d, seed) for s, d, seed, _ in PLANS[name]}
         counts.append(f"`--plan {name}` {len(planned & recorded)} of {len(planned)} planned "
                       "runs recorded")
-    lines = [f"`--plan {PLAN}` (the issue's grid: Peri-LN, Mix-LN, DyT in Pre-LN) and `--plan "
-             f"{PLAN_NAMES[1]}` (DyT in the other placements), both at the demo recipe (d=128, "
+    lines = [f"`--plan {PLAN}` (Peri-LN, Mix-LN, DyT in Pre-LN) and `--plan "
+             f"{PLAN_NAMES[1]}` (DyT in the other placements), both at the demo schedule (d=128, "
              "700 updates, lr 2e-3, warmup 400; sacreBLEU on test2016, beam 4): "
              f"{'; '.join(counts)}; admin's rows (and pre-ln's, post-ln's where they exist) "
              "are the demo-scale study's runs with the same recipe. BLEU and best valid nll: "
              "mean +- sample std over the seeds recorded; failures: runs whose status is not "
              f"`trained`, and runs whose decoder {SOURCE_BLIND} (source gain under "
-             f"{SOURCE_BLIND_BITS} bits per token); vs admin: the difference of the mean BLEU "
+             f"{SOURCE_BLIND_BITS} bits per token or, not probed, one translation for every "
+             "input); vs admin: the difference of the mean BLEU "
              "to admin's at the same depth; distinct: the fewest different translations of "
              "the 1000 test sentences over the seeds (a handful: the decoder ignores the "
              "source, whatever the status says).", "",

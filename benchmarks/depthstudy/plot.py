@@ -1,5 +1,5 @@
-"""The study's figures: loss curves, omegas per sub-layer, and issue 41's speed against
-BLEU."""
+"""The study's figures: loss curves, omegas per sub-layer, and the deep-shallow cells' deployed
+speed against BLEU."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,8 @@ from pathlib import Path
 
 from .common import parse_depth
 from .omegas import closed_form
-from .report import _row_order, _study_order, curve_path, depth_order, recipe_label
+from .report import (_row_order, _study_order, curve_path, depth_order, recipe_label,
+                     study_title)
 
 
 SCHEME_COLORS = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green",
@@ -23,8 +24,8 @@ SCHEME_COLORS = {"post-ln": "tab:red", "pre-ln": "tab:blue", "admin": "tab:green
 def plotted_study(rows) -> str:
     """The study the loss figure shows: the one with the most rows, the newest on a tie.
 
-    A side study of a few runs (issue 22's 2400-update warmup rows) must not replace the main
-    grid's curves just because its recipe sorts first.
+    A side study of a few runs (the 2400-update rows at lr 1e-3, warmup 2000) must not replace
+    the main grid's curves just because its recipe sorts first.
     """
     counts = Counter(r["study"] for r in rows)
     return min(counts, key=lambda s: (-counts[s], _study_order(s)))
@@ -74,7 +75,8 @@ def write_plot(rows, out: Path, path: Path, published: Path) -> None:
             ent = float(r["unigram_entropy_bits"])
         if ent is not None:
             ax.axhline(ent, color="gray", lw=0.8, ls=":", label="unigram entropy")
-        ax.set_title(f"{k}, {study}" + (" (Admin, position variants)" if by_pos else ""))
+        ax.set_title(f"{k}; {study_title([r for r in rows if r['study'] == study])}"
+                     + ("\n(Admin, position variants)" if by_pos else ""), fontsize=9)
         ax.set_xlabel("update")
         ax.set_ylabel("nll (bits/token): train solid, valid dashed")
         ax.legend(fontsize=6)
@@ -132,7 +134,7 @@ def write_omega_plot(rows, path: Path, depth: str = "24L-3L") -> bool:
 
 
 def write_speed_quality_plot(points, path: Path, xlabel: str) -> bool:
-    """Issue 41's answer as a picture: one point per scheme x shape (``points``: dicts with
+    """The deep-shallow cells as a picture: one point per scheme x shape (``points``: dicts with
     scheme, shape, x = deployed sentences/s, y = mean BLEU, yerr = its sample std over seeds,
     n = seeds, exported = False where the speed is the plugin's), x on a log scale. False
     (nothing drawn) without points."""
@@ -162,7 +164,8 @@ def write_speed_quality_plot(points, path: Path, xlabel: str) -> bool:
     ax.set_xscale("log")
     ax.set_xlabel(f"deployed sentences/s ({xlabel}; log scale)")
     ax.set_ylabel("sacreBLEU test2016, mean over seeds (+- sample std)")
-    ax.set_title("Deep encoder, shallow decoder: speed against quality (issue 41)")
+    ax.set_title("Deep encoder, shallow decoder at the demo schedule (lr 2e-3, warmup 400, "
+                 "700 updates): speed against quality", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,9 +1,9 @@
-"""The study's results: the CSV (one row per run), the markdown table (summary over seeds,
-every run, what is missing), and publishing them into the docs."""
+"""The study's results: the CSV (one row per run, every figure of the run) and the markdown
+summary that ``--publish`` puts into the docs (per study, headed by its schedule: each cell
+over its seeds, and what is missing). Per-run detail stays in the CSV and the curves."""
 from __future__ import annotations
 
 import csv
-import json
 import math
 import re
 from collections import Counter
@@ -22,13 +22,13 @@ CSV_FIELDS = [
     "bleu", "bleu_signature", "distinct_hyps", "train_wall_s", "updates_per_s", "generate_wall_s",
     "threads", "cpu", "finished_utc", "study_command", "train_command",
     "generate_command", "curve_file", "final_shortcuts",
-    # issue 22: omegas per sub-layer at initialisation and at the end, per-stack gradient
+    # diagnostics: omegas per sub-layer at initialisation and at the end, per-stack gradient
     # norms, and whether the decoder uses the source (depthstudy.probe)
     "init_omegas", "final_omegas", "gnorms", "probe_valid_nll", "valid_nll_other_source",
     "source_gain",
     # fairseq --clip-norm (rows written before this column: 0, the demo recipe's)
     "clip_norm",
-    # issue 41: how alike the encoder makes different source tokens (depthstudy.probe)
+    # how alike the encoder makes different source tokens (depthstudy.probe)
     "encoder_cos", "encoder_cos_init", "encoder_cos_layers",
     # the validation / checkpoint interval when fixed ('' : max_update / 4), and the updates
     # a run was resumed or continued at (depthstudy.segments; '' : one process, no resume)
@@ -93,11 +93,32 @@ def depth_order(depth: str):
 
 SCHEME_ORDER = {s: i for i, s in enumerate(SCHEMES)}
 POS_ORDER = {p: i for i, p in enumerate(POSITIONS)}
-STUDY_TITLES = {
-    "d128-700upd": "Demo scale: d=128, 700 updates (the `make demo` recipe)",
-    "d64-200upd": "The first study: d=64, 200 updates (issue 6)",
-    "d128-2400upd": "d=128, 2400 updates (issue 22's longer warmup, `--plan admin-warmup`)",
-}
+#: the preset a study's schedule is named after, when its model and schedule are that preset's
+PRESET_NAMES = {"demo": "the demo schedule", "d64": "the first study's schedule"}
+
+
+def _lr(value) -> str:
+    """``0.002`` -> ``2e-3``; a value that is not a number as it is."""
+    try:
+        mant, exp = f"{float(value):.0e}".split("e")
+    except ValueError:
+        return str(value)
+    return f"{mant}e{int(exp)}"
+
+
+def study_title(rows) -> str:
+    """A study's heading, naming its schedule: width, updates, and the learning rate and warmup
+    of most of its rows (rows at another one are labelled in the scheme column), and the
+    preset's name where they are a preset's (``d=128, 700 updates, lr 2e-3, warmup 400: the
+    demo schedule``)."""
+    r0 = rows[0]
+    lr, warmup = Counter((r["lr"], r["warmup"]) for r in rows).most_common(1)[0][0]
+    title = f"d={r0['embed_dim']}, {r0['max_update']} updates, lr {_lr(lr)}, warmup {warmup}"
+    for key, preset in PRESETS.items():
+        if (str(preset["embed_dim"]), str(preset["max_update"]), f"{preset['lr']:g}",
+                str(preset["warmup"])) == (r0["embed_dim"], r0["max_update"], lr, warmup):
+            return f"{title}: {PRESET_NAMES.get(key, key)}"
+    return title
 
 
 def _study_order(study: str):
@@ -136,11 +157,10 @@ def _mean_spread(values, nd=2):
 def recipe_label(r) -> str:
     """The row's scheme, with its learning rate and warmup when they are not those of its
     study's preset (or of the preset of its model size) and its gradient clipping when it
-    has any (issue 22's schedule rows and issue 21's clipped rows must not be averaged with
-    the preset's)."""
+    has any: rows at another schedule or with clipping are never averaged with the preset's."""
     changed = []
-    # the study's preset, else the preset of the same model size (issue 22's longer warmup,
-    # d=128 with 2400 updates, is compared with the demo's schedule)
+    # the study's preset, else the preset of the same model size (d=128 with 2400 updates is
+    # compared with the demo's schedule)
     same = [p for p in PRESETS.values() if str(p["embed_dim"]) == r["embed_dim"]]
     preset = next((p for p in same if str(p["max_update"]) == r["max_update"]),
                   same[0] if same else None)
@@ -151,25 +171,48 @@ def recipe_label(r) -> str:
     return f"{r['scheme']} ({', '.join(changed)})" if changed else r["scheme"]
 
 
+#: bits per target token: a run whose source gain (``probe.py``: validation nll with another
+#: sentence's source minus with its own) is below this translates without reading the source,
+#: whatever its loss did (the line and the gap it sits in: docs/results.md, "What failed means")
+SOURCE_BLIND_BITS = 1.5
+SOURCE_BLIND = "ignores the source"
+
+
+def outcome(r) -> str:
+    """Why a run failed, '' if it trained: its status when that is not ``trained``; else
+    ``SOURCE_BLIND`` when its source gain is under ``SOURCE_BLIND_BITS`` or, never probed, when
+    it gives one translation for every test input (an output that is the same for every source
+    cannot depend on it)."""
+    if r["status"] != "trained":
+        return r["status"]
+    gain = _num(r.get("source_gain"))
+    if gain is not None:
+        return SOURCE_BLIND if gain < SOURCE_BLIND_BITS else ""
+    return SOURCE_BLIND if str(r.get("distinct_hyps") or "") == "1" else ""
+
+
+def outcomes(rs) -> str:
+    """``2 trained, 1 ignores the source``: the runs counted by :func:`outcome`."""
+    counts = Counter(outcome(r) or "trained" for r in rs)
+    return ", ".join(f"{n} {why}" for why, n in sorted(counts.items()))
+
+
 def summary_lines(rows):
-    """One line per (depth, positions, scheme and recipe): seeds, statuses, BLEU and valid
-    nll as mean +- sample standard deviation (min-max) over the seeds, the distinct
-    translations of each seed, and the mean source gain (``depthstudy.probe``)."""
+    """One line per (depth, positions, scheme and recipe): seeds, outcomes (:func:`outcome`),
+    BLEU and valid nll as mean +- sample standard deviation (min-max) over the seeds, the
+    distinct translations of each seed, and the mean source gain (``depthstudy.probe``)."""
     groups = {}
     for r in sorted(rows, key=_row_order):
         groups.setdefault((r["depth"], r["positions"], recipe_label(r)), []).append(r)
     lines = [
-        "| depth | positions | scheme | seeds | status | BLEU mean +- std (min-max) | "
-        "best valid nll (bits) mean +- std (min-max) | distinct translations | "
-        "source gain (bits) |",
+        "| depth | positions | scheme | seeds | outcome | BLEU | best valid nll (bits) | "
+        "distinct translations | source gain (bits) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (depth, pos, scheme), rs in groups.items():
-        statuses = Counter(r["status"] for r in rs)
-        status = ", ".join(f"{n} {st}" for st, n in sorted(statuses.items()))
         lines.append(
-            f"| {depth} | {pos} | {scheme} | {','.join(r['seed'] for r in rs)} | {status} | "
-            f"{_mean_spread([r['bleu'] for r in rs])} | "
+            f"| {depth} | {pos} | {scheme} | {','.join(r['seed'] for r in rs)} | "
+            f"{outcomes(rs)} | {_mean_spread([r['bleu'] for r in rs])} | "
             f"{_mean_spread([r['best_valid_nll'] for r in rs], 3)} | "
             f"{', '.join(r['distinct_hyps'] or '-' for r in rs)} | "
             f"{_mean_spread([r.get('source_gain') for r in rs], 3)} |"
@@ -177,56 +220,16 @@ def summary_lines(rows):
     return lines
 
 
-def _gnorm_cell(gnorms: str) -> str:
-    g = json.loads(gnorms) if gnorms else {}
-    if "enc_gnorm" not in g or "dec_gnorm" not in g:
-        return "-"
-    return "; ".join(f"{e:.2f} / {d:.2f}" if e is not None and d is not None else "-"
-                     for e, d in zip(g["enc_gnorm"], g["dec_gnorm"]))
-
-
-def _collapse_cell(r) -> str:
-    if not r.get("encoder_cos"):
-        return "-"
-    init = f"{float(r['encoder_cos_init']):.3f}" if r.get("encoder_cos_init") else "-"
-    return f"{init}; {float(r['encoder_cos']):.3f}"
-
-
 def write_table(rows, path: Path, planned=()) -> None:
-    """Per study: the summary over seeds, every row, and (for the running plan) the rows
-    still missing; then the commands of every row."""
+    """The summary ``--publish`` puts into results.md: per study (its heading names the
+    schedule) one line per cell over its seeds, and the runs of the running plan still
+    missing. Every run's own figures and commands are in the CSV, its course in the curves."""
     rows = sorted(rows, key=_row_order)
     studies = sorted({r["study"] for r in rows}, key=_study_order)
     lines = []
-    n = 0
-    numbered = []
     for study in studies:
         rs = [r for r in rows if r["study"] == study]
-        lines += [f"### {STUDY_TITLES.get(study, study)}", "",
-                  "Summary over seeds:", ""] + summary_lines(rs)
-        lines += [
-            "", "Every run:", "",
-            "| # | depth | positions | scheme | seed | updates | status | final train nll (bits) | "
-            "best valid nll (bits) / ppl | BLEU | distinct translations | source gain (bits) | "
-            "encoder cos (init; trained) | grad norm enc / dec (warmup; after) | "
-            "final shortcut weights / position scale | train wall (s) | updates/s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rs:
-            n += 1
-            numbered.append(r)
-            shortcuts = json.loads(r["final_shortcuts"]) if r["final_shortcuts"] else {}
-            shown = "; ".join(
-                f"{k} " + ("/".join(f"{x:g}" for x in v) if isinstance(v, list) else f"{v:g}")
-                for k, v in sorted(shortcuts.items())) or "-"
-            lines.append(
-                f"| {n} | {r['depth']} | {r['positions']} | {recipe_label(r)} | {r['seed']} | "
-                f"{r['updates']} | **{r['status']}** | {r['final_train_nll']} | "
-                f"{r['best_valid_nll']} / {r['best_valid_ppl']} | {r['bleu'] or '-'} | "
-                f"{r['distinct_hyps'] or '-'} | {_mean_spread([r['source_gain']], 4)} | "
-                f"{_collapse_cell(r)} | {_gnorm_cell(r['gnorms'])} | {shown} | "
-                f"{r['train_wall_s']} | {r['updates_per_s']} |"
-            )
+        lines += [f"### {study_title(rs)}", ""] + summary_lines(rs)
         missing = [m for m in planned if m[0] == study]
         if missing:
             lines += ["", f"Still missing from the plan ({len(missing)} runs): " + ", ".join(
@@ -235,21 +238,17 @@ def write_table(rows, path: Path, planned=()) -> None:
         lines.append("")
     ents = sorted({r["unigram_entropy_bits"] for r in rows})
     sigs = sorted({r["bleu_signature"] for r in rows if r["bleu_signature"]})
-    lines += [f"Unigram entropy of the German training side: {', '.join(ents)} bits/token.",
-              f"sacreBLEU signature: {'; '.join(sigs) or '-'}", "",
-              "Omega columns: mean/min/max over every omega entry of the stack after the last "
-              "update; position scale: the learned scalar of the scaled sinusoid. Source gain: "
-              "validation nll with each sentence given the next sentence's source minus the "
-              "nll with its own (about 0: the decoder ignores the source; benchmarks/"
-              "depthstudy/probe.py). Grad norm: the training monitor's encoder / decoder "
-              "gradient norms, mean over the warmup updates; after them. Distinct "
-              "translations: different sentences among the test set's translations (1 means "
-              "the same sentence for every source: the model ignores the source; '-' where "
-              "the run's translations were lost).", "",
-              "Commands per row:", ""]
-    for i, r in enumerate(numbered, 1):
-        lines.append(f"{i}. `{r['study_command']}`  \n   train: `{r['train_command']}`  \n"
-                     f"   status reason: {r['reason']}")
+    lines += [f"Outcome: the status rule's verdict, a run it calls trained counted as ignoring "
+              f"the source when its source gain is under {SOURCE_BLIND_BITS:g} bits or, not "
+              "probed, when it gives one translation for every input. BLEU and best valid nll "
+              "(bits): mean +- sample std (min-max) over the seeds. Unigram entropy of the "
+              f"German training side: {', '.join(ents)} bits/token; sacreBLEU signature "
+              f"{'; '.join(sigs) or '-'}. Distinct translations: different sentences among the "
+              "test translations, per seed ('-': lost). Source gain: validation nll with each "
+              "sentence given the next sentence's source minus with its own (about 0: the "
+              "decoder ignores the source; benchmarks/depthstudy/probe.py). Every run with its "
+              "commands, omegas, gradient norms and encoder cosine: "
+              "[depth_study_results.csv](depth_study_results.csv)."]
     path.write_text("\n".join(lines) + "\n")
 
 

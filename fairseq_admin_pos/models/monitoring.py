@@ -40,18 +40,18 @@ adds nothing here; neither do Peri-LN and Mix-LN (LayerNorms in other places). D
 spread over a stack shows how the activation scale changes with depth and training. The
 dual stream is what ResiDual adds to watch: it grows with depth and
 training (the paper's fp16 remark, Appendix G.3), and here it is carried in float32. The
-encoder token cosine is logged for every scheme: in this package's depth study every
-deep-encoder run whose decoder ended up ignoring the source had a trained encoder at 1.000
-(measured offline), every run that trained 0.66 or less. A high value early is no verdict:
-runs that train pass through high values while they first learn the target language
-(docs/training.md gives the measured courses). A high value after the warmup is what the
-study's failed runs showed and none that trained, so the monitor logs one warning per run,
-at fairseq's log line, for the first logging interval wholly after the learning rate's warmup
-whose mean is above 0.9 (:func:`warn_on_collapse`, the rule in
+encoder token cosine is logged for every scheme: an encoder that gives every source token
+the same output (cosine near 1) leaves the decoder nothing to read. A high value early is no
+verdict: runs that train pass through high values while they first learn the target language.
+So the monitor logs one warning per run, at fairseq's log line, for the first logging
+interval wholly after the learning rate's warmup whose mean is above 0.9
+(:func:`warn_on_collapse`, the rule in
 :func:`fairseq_admin_pos.collapse.collapse_warning`; a schedule without ``warmup_updates``
-gets no warning). It never stops the run. Its cost is 19 small operations on the encoder
-output per training forward (``fairseq_admin_pos/collapse.py``) and, for the warning, one
-read of the interval's mean at each log line, which fairseq reads anyway to print it.
+gets no warning). It never stops the run. What the rule was set on and how it has done on
+the depth study's runs: docs/training.md#the-encoder-collapse-warning. Its cost is 19 small
+operations on the encoder output per training forward (``fairseq_admin_pos/collapse.py``)
+and, for the warning, one read of the interval's mean at each log line, which fairseq reads
+anyway to print it.
 
 The gradient norms are averaged over the updates of the interval (or epoch) like fairseq's
 ``gnorm``; so are the dual-stream norms (each update's value is the stack's
