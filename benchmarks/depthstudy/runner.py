@@ -415,13 +415,13 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
     env = fairseq_env(args.threads)
     known = {}  # (scheme, positions) -> (time asked, missing flags)
     helps = {}  # chosen optimizer -> fairseq-train's help text, dropped when asked again
-    running, failed = [], []
+    running, failed, elsewhere = [], [], []
 
     def waits(item) -> bool:
         # a longer run of a cell continues its shorter run: not before that one is done (and
-        # not in this call when the shorter one failed)
+        # not in this call when the shorter one failed or another study process runs it)
         return any(o[:4] == item[:4] and len(o) > 4 and len(item) > 4 and o[4] < item[4]
-                   for o in pending + running + failed)
+                   for o in pending + running + failed + elsewhere)
 
     def next_item():
         while True:
@@ -471,6 +471,8 @@ def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
                 with claim(args.out, key) as mine:
                     if not mine or key in {r["key"] for r in read_rows(csv_path)}:
                         log(f"run {key}: running or done in another study process; skipped")
+                        if not mine:
+                            elsewhere.append(item)
                         continue
                     row = one_run(run_args, root, scheme, depth, seed, unigram_bits,
                                   study_cmd, pos)
