@@ -1,6 +1,6 @@
 """Host time of one residual sub-layer's ``x * omega + f(x)``, forward plus backward, side by
-side: the Python autograd function ``schemes._ShortcutSum`` that Admin used before issue 34,
-native ``addcmul`` (what ``Float32OmegaResidual`` runs now where the dtypes match), and the
+side: the Python autograd function ``schemes._ShortcutSum`` that Admin used before its fused
+shortcut, native ``addcmul`` (what ``Float32OmegaResidual`` runs now where the dtypes match), and the
 plain ``x + f(x)`` of omega = 1 (B2T, ResiDual, Post-LN). At these sizes the arithmetic is
 negligible: what is timed is the host's work per call, which is what a launch-bound GPU
 step waits for.

@@ -8,7 +8,7 @@ Every variant has the same sizes and trains on the same batches through fairseq'
   Admin's most expensive setting); ``admin-buffer``: the default fixed scalar omegas;
 * ``b2t``: B2T connection (Takase et al. 2023); ``resi-dual``: ResiDual (Xie et al. 2023);
 * ``pre-ln``, ``peri-ln``, ``mix-ln``: the LayerNorm placements (Pre-LN, Peri-LN, Mix-LN),
-  ``pre-ln-dyt``: Pre-LN with DyT in place of every LayerNorm (issue 39; not in the default
+  ``pre-ln-dyt``: Pre-LN with DyT in place of every LayerNorm (not in the default
   ``--variants``, name them);
 * ``admin-compiled``: ``admin`` with ``--admin-compile layers`` (opt-in compiled layers).
 

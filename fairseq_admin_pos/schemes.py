@@ -60,8 +60,9 @@ included); the query and key projections are Xavier-normal with gain 1 (the pape
 default initialisation and *divides* those weights by ``(N^4 M)^(1/16) / 1.15`` in the
 encoder (``(12 M)^(1/4)`` in the decoder), i.e. an encoder gain of ``1.15 (N^4 M)^(-1/16)``
 instead of ``0.87 (N^4 M)^(-1/16)`` applied on top of a different base initialisation
-(torchscale issue #16). **This module follows the paper** (:func:`deepnorm_constants`,
-:func:`deepnorm_init_`); results are therefore not bit-comparable with torchscale runs.
+(github.com/microsoft/torchscale/issues/16). **This module follows the paper**
+(:func:`deepnorm_constants`, :func:`deepnorm_init_`); results are therefore not
+bit-comparable with torchscale runs.
 
 Mixed precision: :class:`Float32OmegaResidual` keeps a *fixed* shortcut weight (Admin's
 buffer omega, DeepNorm's alpha) in float32 when the model is cast with ``.half()`` /

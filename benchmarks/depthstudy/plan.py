@@ -7,20 +7,17 @@ import sys
 
 from .common import REPO
 
+# this checkout's package (the one fairseq-train gets through --user-dir), also when another
+# checkout is installed in the interpreter
 sys.path.insert(0, str(REPO))
-# the schemes of `make demo --scheme` (one definition for both); importing the demo module
-# imports neither torch nor fairseq
-from fairseq_admin_pos.cli.demo import SCHEMES as DEMO_SCHEMES  # noqa: E402
+# the package's one table of scheme names (imports neither torch nor fairseq)
+from fairseq_admin_pos.scheme_flags import TABLE  # noqa: E402
 
-SCHEMES = {
-    **{k: v for k, v in DEMO_SCHEMES.items() if k != "admin-paper"},
-    # the d=64 study's profiled Admin: eval-mode statistics, padding excluded, Adam
-    "admin-profile": ["--admin-init", "profile", "--admin-profile-mode", "eval",
-                      "--admin-omega", "parameter"],
-    "admin-paper": DEMO_SCHEMES["admin-paper"],
-}
-# the factorial of why the paper's Admin fails at 24L-3L: omega source {closed form, eval profile, Clinic profile} x optimizer
-# {Adam, RAdam with Clinic's early steps}; admin, admin-profile and admin-paper are three of
+SCHEMES = {name: TABLE[name].flags
+           for name in ("post-ln", "pre-ln", "admin", "admin-profile", "admin-paper",
+                        "deepnorm")}
+# the factorial of why the paper's Admin fails at 24L-3L: omega source {closed form, eval
+# profile, Clinic profile} x optimizer {Adam, RAdam with Clinic's early steps}; admin, admin-profile and admin-paper are three of
 # its six cells, these the other three
 _RADAM = ["--optimizer", "radam", "--radam-early-steps", "skip"]
 SCHEMES["admin-radam"] = SCHEMES["admin"] + _RADAM
@@ -148,8 +145,8 @@ for _name in OMEGA_VARIANTS:
 
 # --------------------------------------------------------------------------- the rivals
 #: the later rivals of Admin, same recipe (fairseq_admin_pos.schemes)
-SCHEMES["b2t"] = ["--admin-residual", "b2t"]
-SCHEMES["resi-dual"] = ["--admin-residual", "resi-dual"]
+SCHEMES["b2t"] = TABLE["b2t"].flags
+SCHEMES["resi-dual"] = TABLE["resi-dual"].flags
 
 _FACTORIAL = ("admin-paper-adam", "admin-radam", "admin-profile", "admin-profile-radam")
 PLANS["admin-causes"] = (
@@ -165,7 +162,7 @@ PLANS["admin-causes"] = (
                                                  "admin-paper-dec",
                                                  "admin-paper-closed-bottom",
                                                  "admin-paper-max")]
-    # the seeds of the factorial (Clinic profile + Adam and closed form + RAdam: the issue's
+    # the seeds of the factorial (Clinic profile + Adam and closed form + RAdam: the
     # numbers stand for seed 1 until their rows are run at the end)
     + [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (2, 3) for s in _FACTORIAL]
     # 12L-12L, where admin-paper trails the closed form: the optimizer swapped both ways
@@ -178,7 +175,7 @@ PLANS["admin-causes"] = (
 PLANS["admin-schedule"] = [(s, _DEEP_ENC, seed, "sinusoidal") for seed in (1, 2)
                            for s in ("admin-paper", "admin")]
 PLANS["rivals"] = (
-    # the deep encoder first, then the 6L-6L column (the issue's one seed, half the time of a
+    # the deep encoder first, then the 6L-6L column (one seed, half the time of a
     # 12L-12L run), then 12L-12L
     [(s, _DEEP_ENC, 1, "sinusoidal") for s in ("b2t", "resi-dual")]
     + [(s, "6L-6L", 1, "sinusoidal") for s in ("b2t", "resi-dual")]
@@ -227,15 +224,9 @@ PLAN_RECIPES["deep-shallow-warmup"] = dict(lr=1e-3, warmup=2000, max_update=2400
 #: DyT in place of LayerNorm (fairseq_admin_pos.norms) in Post-LN, Pre-LN, Peri-LN and Mix-LN.
 #: Admin's omegas are refused with DyT (they give back what a LayerNorm divides out), so
 #: there is no admin-dyt.
-_PRE_LN = ["--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before"]
-_DYT = ["--admin-norm", "dyt"]
-SCHEMES["peri-ln"] = ["--admin-residual", "peri-ln"]
-SCHEMES["mix-ln"] = ["--admin-residual", "mix-ln"]  # --mix-ln-alpha 0.25, the paper's
-SCHEMES["pre-ln-dyt"] = _PRE_LN + _DYT
-SCHEMES["post-ln-dyt"] = ["--admin-init", "none"] + _DYT
-SCHEMES["peri-ln-dyt"] = SCHEMES["peri-ln"] + _DYT
-SCHEMES["mix-ln-dyt"] = SCHEMES["mix-ln"] + _DYT
-#: the issue's grid: the three new schemes, DyT in the placement its paper uses (Pre-LN); the
+for _name in ("peri-ln", "mix-ln", "pre-ln-dyt", "post-ln-dyt", "peri-ln-dyt", "mix-ln-dyt"):
+    SCHEMES[_name] = TABLE[_name].flags
+#: the grid: the three new schemes, DyT in the placement its paper uses (Pre-LN); the
 #: two placements with LayerNorm first (the papers' claims)
 _NORMS = ("peri-ln", "mix-ln", "pre-ln-dyt")
 PLANS["norms-2025"] = (
@@ -249,7 +240,7 @@ PLANS["norms-2025"] = (
     + [(s, d, seed, "sinusoidal") for seed in (1, 2, 3) for d in (_DEEP_ENC, "12L-12L")
        for s in ("pre-ln", "post-ln")]
 )
-#: beyond the issue's grid: DyT in the other placements it can take (the new ones, then
+#: beyond that grid: DyT in the other placements it can take (the new ones, then
 #: Post-LN, expected to fail where Post-LN fails); published in the same block
 PLANS["norms-2025-dyt"] = (
     [(s, d, seed, "sinusoidal") for seed in (1, 2, 3) for d in (_DEEP_ENC, "12L-12L")

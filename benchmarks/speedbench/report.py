@@ -51,7 +51,7 @@ def targets(rows: List[Dict]) -> List[str]:
             c = by["admin-compiled"]
             out.append(f"admin-compiled / admin: words/s {c['words_per_s'] / a['words_per_s']:.3f}"
                        f"; MFU {100 * a['mfu']:.2f}% -> {100 * c['mfu']:.2f}%")
-    # issue 39: the LayerNorm placements and DyT against stock, DyT against its LayerNorm twin
+    # the LayerNorm placements and DyT against stock, DyT against its LayerNorm twin
     for v in ("pre-ln", "peri-ln", "mix-ln", "pre-ln-dyt"):
         if v in by:
             out.append(f"{v} / stock: words/s "

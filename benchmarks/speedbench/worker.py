@@ -38,7 +38,7 @@ ALL_VARIANTS = {
     "admin-buffer": ["--arch", "admin_transformer", "--admin-init", "closed-form"],
     "b2t": ["--arch", "admin_transformer", "--admin-residual", "b2t"],
     "resi-dual": ["--arch", "admin_transformer", "--admin-residual", "resi-dual"],
-    # issue 39: the LayerNorm placements and DyT in place of LayerNorm (Pre-LN beside it, the
+    # the LayerNorm placements and DyT in place of LayerNorm (Pre-LN beside it, the
     # placement DyT's paper uses, so "pre-ln-dyt / pre-ln" is DyT's own cost)
     "pre-ln": ["--arch", "admin_transformer", "--admin-init", "none",
                "--encoder-normalize-before", "--decoder-normalize-before"],
