@@ -21,8 +21,10 @@ install:
 # --dist loadfile: a test file runs on one worker, so each module fixture (a training run the
 # file's tests read) runs once. (--dist loadgroup's xdist_group marks do nothing with pytest 9.2
 # and xdist 3.8: xdist tags the node id through an attribute pytest 9 no longer reads.)
+# --no-loadscope-reorder: the files go out in tests/conftest.py's order, those with a test
+# marked slow first, so that no long file is left to run alone at the end (docs/tests.md).
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=15 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 demo: install
 	$(PY) -m fairseq_admin_pos.cli.demo --data $(MULTI30K) --out $(DEMO_OUT) --scheme $(SCHEME) --device $(DEVICE)

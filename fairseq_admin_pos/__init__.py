@@ -15,7 +15,8 @@ Layout:
 * :mod:`~fairseq_admin_pos.fairseq_fixes`: narrow fixes to the fairseq we run on
   (torch >= 2.6 checkpoint loading, ``--help`` with the model's flags, batching that no
   longer drops the last sentences of a split, a bad model flag as one ``error:`` line); they
-  sit below the models, which :func:`register` hands them;
+  sit below the models, which :func:`register` hands them. Every fairseq function the
+  package replaces is listed in :mod:`~fairseq_admin_pos.fairseq_fixes.patches`;
 * :mod:`~fairseq_admin_pos.speed`: the training step's multi-tensor Adam and clipping for
   the plugin's models (same numbers, fewer operations; ``docs/speed.md``);
 * :mod:`~fairseq_admin_pos.cli`: ``fairseq-admin-analyze``,

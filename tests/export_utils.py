@@ -15,7 +15,7 @@ EXACT = 1e-5  # float32 log-probabilities of a fold that is exact up to rounding
 
 #: residual schemes the export folds: the admin_transformer flags that make each
 SCHEMES = {
-    "admin-buffer": ["--admin-init", "closed-form"],
+    "admin-buffer": ["--admin-init", "closed-form", "--admin-omega", "buffer"],
     "admin-parameter": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
     "post-ln-parameter": ["--admin-init", "none", "--admin-omega", "parameter"],
     "deepnorm": ["--admin-residual", "deepnorm"],

@@ -54,19 +54,19 @@ def mean_by_variant(out):
 def test_post_ln_grows_with_depth_admin_clearly_slower(small_run):
     out, stdout = small_run
     m = mean_by_variant(out)
-    assert set(m) == {"post-ln", "pre-ln", "admin-closed-form", "admin-profile"}
+    assert set(m) == {"post-ln", "pre-ln", "admin", "admin-profile"}
     depth_ratio = DEPTHS[-1] / DEPTHS[0]
     growth = {v: m[v][DEPTHS[-1]][0] / m[v][DEPTHS[0]][0] for v in m}  # encoder output
     # Post-LN: at least proportional to depth (the paper: O(N))
     assert growth["post-ln"] >= depth_ratio, growth
     # Admin closed-form: clearly slower (O(log N)); profiled Admin and Pre-LN: slower
-    assert growth["admin-closed-form"] <= 0.5 * growth["post-ln"], growth
-    assert growth["admin-closed-form"] < depth_ratio, growth
+    assert growth["admin"] <= 0.5 * growth["post-ln"], growth
+    assert growth["admin"] < depth_ratio, growth
     assert growth["admin-profile"] < growth["post-ln"], growth
     assert growth["pre-ln"] < growth["post-ln"], growth
     # at the largest depth Admin changes the output less than Post-LN (both outputs)
     for which in (0, 1):
-        assert m["admin-closed-form"][DEPTHS[-1]][which] < m["post-ln"][DEPTHS[-1]][which]
+        assert m["admin"][DEPTHS[-1]][which] < m["post-ln"][DEPTHS[-1]][which]
     # the printed table has the same growth figures
     for v in m:
         line = next(l for l in stdout.splitlines() if l.startswith(v) and "encoder" in l)
@@ -87,7 +87,7 @@ def test_files_and_omegas(small_run):
     for n in DEPTHS:
         for stack, subl in (("encoder", 2 * n), ("decoder", 3 * n)):
             closed = math.sqrt((subl + 1) / math.log(subl + 1) - 1)  # admin-torch O(log N)
-            assert om[("admin-closed-form", n, "1", stack)] == pytest.approx([closed] * subl, abs=1e-6)
+            assert om[("admin", n, "1", stack)] == pytest.approx([closed] * subl, abs=1e-6)
             assert om[("post-ln", n, "1", stack)] == [1.0] * subl
             assert om[("pre-ln", n, "1", stack)] == [1.0] * subl
             prof = om[("admin-profile", n, "2", stack)]
@@ -136,7 +136,7 @@ def functional_change(model, n, eps, seed):
     return float(ref_enc), float(ref_dec), len(perturbed)
 
 
-@pytest.mark.parametrize("variant", ["post-ln", "admin-closed-form", "b2t", "resi-dual",
+@pytest.mark.parametrize("variant", ["post-ln", "admin", "b2t", "resi-dual",
                                      "peri-ln", "mix-ln-dyt", "post-ln-dyt"])
 def test_output_change_matches_functional_recomputation(tmp_path, variant):
     model, n = _tiny_model(3, variant, tmp=tmp_path)
@@ -186,6 +186,29 @@ def test_random_token_mode_leaves_no_temporary_folder(monkeypatch, tmp_path):
          "--out-dir", str(tmp_path / "out")])
     assert len(analyze.run_analysis(args)) == 1
     assert list(scratch.iterdir()) == []
+
+
+def test_admin_paper_profiles_as_transformer_clinic(tmp_path):
+    """``admin-paper`` (the paper's Admin) is profiled on the analysis batch in Clinic's
+    training mode, with the dropout masks of one step and the padding counted: each stack
+    starts at 1 and grows, to other values than the dropout-free, padding-free profile of the
+    same model and batch (``admin-profile``), and the caller's random stream is left as it
+    was."""
+    from model_utils import residuals
+
+    tops = {}
+    for name in ("admin-paper", "admin-profile"):
+        model, n = _tiny_model(3, name, tmp=tmp_path)
+        assert model.admin_profile.mode == ("clinic" if name == "admin-paper" else "eval")
+        before = torch.random.get_rng_state()
+        analyze.VARIANTS[name].prepare(model, n)
+        assert torch.equal(torch.random.get_rng_state(), before)
+        for stack in ("encoder", "decoder"):
+            w = analyze.shortcut_weights(residuals(getattr(model, stack)))
+            assert w[0] == 1.0 and all(b > a for a, b in zip(w, w[1:])), (name, w)
+            tops[name, stack] = w[-1]
+    for stack in ("encoder", "decoder"):
+        assert abs(tops["admin-paper", stack] - tops["admin-profile", stack]) > 1e-3, tops
 
 
 def test_batch_from_a_binarized_data_dir(tiny_data, tmp_path):
@@ -353,11 +376,11 @@ def test_checkpoint_errors_name_the_flag(trained, tmp_path, capsys, case, messag
 
 
 def test_checkpoint_of_a_profiled_run(tiny_data, tmp_path, capsys):
-    """--admin-init profile: the checkpoint holds the omegas profiled on the first training
-    batch; the fresh model is profiled on the analysis batch (first sub-layer 1, then
-    growing, as Admin's recurrence gives)."""
-    train(tiny_data, tmp_path / "ck", "admin_transformer", TINY_MODEL + ["--admin-init", "profile"],
-          max_update=1)
+    """--admin-init profile with fixed omegas: the checkpoint holds the omegas profiled on the
+    first training batch; the fresh model is profiled on the analysis batch (first sub-layer
+    1, then growing, as Admin's recurrence gives)."""
+    train(tiny_data, tmp_path / "ck", "admin_transformer",
+          TINY_MODEL + ["--admin-init", "profile", "--admin-omega", "buffer"], max_update=1)
     ckpt = tmp_path / "ck" / "checkpoint_last.pt"
     assert analyze.cli_main(["--checkpoint", str(ckpt), "--trials", "1",
                              "--out-dir", str(tmp_path / "out")]) == 0

@@ -15,14 +15,14 @@ from model_utils import SMALL, build, sample_batch
 SCHEMES = {
     "admin": [],
     "admin-parameter": ["--admin-omega", "parameter"],
-    "admin-profile": ["--admin-init", "profile"],
+    "admin-profile": ["--admin-init", "profile", "--admin-omega", "buffer"],
     "pre-ln": ["--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before"],
     "deepnorm": ["--admin-residual", "deepnorm"],
     "rezero": ["--admin-residual", "rezero"],
     "rezero-post-ln": ["--admin-residual", "rezero-post-ln"],
     "b2t": ["--admin-residual", "b2t"],
     "resi-dual": ["--admin-residual", "resi-dual"],  # the dual stream crosses each checkpoint
-    # issue 39: the LayerNorm placements (Mix-LN: 1 Post-LN + 2 Pre-LN encoder layers) and DyT
+    # the LayerNorm placements (Mix-LN: 1 Post-LN + 2 Pre-LN encoder layers) and DyT
     "peri-ln-dyt": ["--admin-residual", "peri-ln", "--admin-norm", "dyt"],
     "mix-ln": ["--admin-residual", "mix-ln", "--mix-ln-alpha", "0.34"],
 }

@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import re
+import shutil
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,10 @@ import sacrebleu
 
 from fairseq_cli_utils import REPO, write_fake_multi30k
 from study_utils import TINY, load_study_module, study
+
+# the module fixture runs the study end to end: the file goes to a worker first (conftest.py)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory):
@@ -144,15 +149,18 @@ def test_summary_cell_prints_no_negative_zero(depth_study_module, values, expect
     assert _mean_spread(values, 3) == expected
 
 
-def test_run_table_prints_no_negative_zero(depth_study_module, grid, tmp_path):
-    # the per-run table shows the CSV's source gain to 4 decimals: a failed run's -0.00001
-    # (written "-0.0000") is shown as 0.0000
+def test_published_summary_prints_no_negative_zero_and_no_per_run_rows(depth_study_module,
+                                                                      grid, tmp_path):
+    # the summary shows a cell's source gain to 3 decimals: a failed run's -0.00001 (written
+    # "-0.0000") is shown as 0.000; per-run detail stays in the CSV, so no row per run
     rows = depth_study_module.read_rows(grid["out"] / "results.csv")
-    rows[0]["source_gain"] = "-0.0000"
+    for r in rows:
+        r["source_gain"] = "-0.0000"
     depth_study_module.write_table(rows, tmp_path / "table.md", [])
-    cells = [line.split(" | ")[11] for line in (tmp_path / "table.md").read_text().splitlines()
-             if line.startswith("| 1 | ")]
-    assert cells == ["0.0000"]
+    text = (tmp_path / "table.md").read_text()
+    cells = [line.split(" | ")[-1] for line in text.splitlines() if line.startswith("| 2L-1L")]
+    assert cells == ["0.000 +- 0.000 (0.000-0.000) |"] * 2
+    assert "train: `" not in text and "| # |" not in text
 
 
 def test_publish_fills_the_table_block_and_keeps_the_curves(grid):
@@ -179,7 +187,8 @@ def test_figure_is_drawn_from_published_curves_when_the_runs_are_gone(grid, tmp_
 
 
 @pytest.mark.parametrize("studies, expected", [
-    # issue 22's one warmup row (d128, 2400 updates) sorts before the demo grid's recipe
+    # the single warmup row of the longer schedule (d128, 2400 updates) sorts before the
+    # demo grid's recipe
     (["d128-700upd"] * 3 + ["d128-2400upd"], "d128-700upd"),
     (["d64-200upd"] * 2 + ["d128-700upd"] * 2, "d128-700upd"),
     (["d64-200upd"] * 3 + ["d128-700upd"] * 2, "d64-200upd"),
@@ -229,8 +238,8 @@ def test_a_flag_this_checkout_lacks_is_reported(depth_study_module, monkeypatch)
                                                 depth_study_module.fairseq_env(1)) == ["--radam-future"]
 
 
-def test_demo_scale_plan_is_the_issues_grid_once_each(depth_study_module):
-    # issue 12: 5 schemes x {6L-6L, 12L-12L, deep encoder}; 3 seeds at 12L-12L and for the
+def test_demo_scale_plan_is_its_grid_once_each(depth_study_module):
+    # 5 schemes x {6L-6L, 12L-12L, deep encoder}; 3 seeds at 12L-12L and for the
     # deep-encoder admin, pre-ln (and admin-paper) rows, 1 elsewhere; 4 position variants of
     # Admin at the demo's 12L-3L with 2 seeds each
     plan = depth_study_module.PLANS["demo-scale"]
@@ -246,8 +255,8 @@ def test_demo_scale_plan_is_the_issues_grid_once_each(depth_study_module):
     assert set(plan) == expected
 
 
-def test_norms_2025_plan_is_the_issues_grid_seed_one_first(depth_study_module):
-    # issue 39: Peri-LN, Mix-LN and DyT in Pre-LN (with the pre-ln/post-ln baselines) at the
+def test_norms_2025_plan_is_its_grid_seed_one_first(depth_study_module):
+    # Peri-LN, Mix-LN and DyT in Pre-LN (with the pre-ln/post-ln baselines) at the
     # deep encoder and 12L-12L, 3 seeds; seed 1 of every new scheme before any other run. DyT
     # in the other placements is a plan of its own, the same cells and seeds
     m = depth_study_module
@@ -268,16 +277,18 @@ def test_norms_2025_plan_is_the_issues_grid_seed_one_first(depth_study_module):
     assert "admin-dyt" not in m.SCHEMES  # refused: Admin's omegas assume LayerNorm
 
 
-def test_clip_norm_reaches_fairseq_and_labels_the_row(tmp_path):
-    # issue 21: B2T's authors clip gradients at 0.1 beyond 18 layers. fairseq's own log says
-    # whether it clipped ("clip": the percentage of updates whose norm exceeded the bound)
-    write_fake_multi30k(tmp_path / "m30k")
+def test_clip_norm_reaches_fairseq_and_labels_the_row(grid, tmp_path):
+    # B2T's authors clip gradients at 0.1 beyond 18 layers. fairseq's own log says whether it
+    # clipped ("clip": the percentage of updates whose norm exceeded the bound). A new --out
+    # holding a copy of the grid's prepared data: the study reuses it (same --data, vocab)
     out = tmp_path / "out"
-    study("--data", tmp_path / "m30k", "--out", out, "--schemes", "admin", "--seeds", "1",
-          *TINY, "--clip-norm", "0.01")
+    shutil.copytree(grid["out"] / "data", out / "data")
+    proc = study("--data", grid["tmp"] / "m30k", "--out", out, "--schemes", "admin", "--seeds",
+                 "1", *TINY, "--clip-norm", "0.01")
+    assert "data ready in" in proc.stdout + proc.stderr
     with open(out / "results.csv", newline="") as fh:
         (row,) = list(csv.DictReader(fh))
-    assert row["key"].endswith("|clip0.01") and row["clip_norm"] == "0.01"
+    assert "clip0.01" in row["key"].split("|") and row["clip_norm"] == "0.01"
     assert "--clip-norm 0.01 " in row["train_command"]
     log_text = (out / Path(row["curve_file"]).parent / "train.log").read_text()
     logged = [json.loads(line.split("| train_inner | ", 1)[1])
@@ -297,7 +308,7 @@ MULTI30K_FILES = [f"{split}.{lang}.gz" for split in ("train", "val", "test_2016_
 
 @pytest.mark.parametrize("case", ["no-folder", "empty-folder", "one-file-missing"])
 def test_deep_shallow_plan_with_bad_data_is_one_line_and_leaves_nothing(tmp_path, case):
-    """issue 41: `--plan deep-shallow` with a --data folder that is not Multi30k's: one
+    """`--plan deep-shallow` with a --data folder that is not Multi30k's: one
     `depth_study.py: error:` line naming --data and the files it must hold, exit status 2,
     nothing printed on stdout, and no --out folder (nor anything else) written."""
     data = tmp_path / "m30k"

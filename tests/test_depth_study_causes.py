@@ -1,4 +1,4 @@
-"""Issue 22's parts of benchmarks/depth_study.py on a tiny corpus: the factorial cells, the
+"""The cause-finding parts of benchmarks/depth_study.py on a tiny corpus: the factorial cells, the
 omega variants (each run's logged omegas against the rule applied to admin-paper's own
 profile), and every new column recomputed independently: the probe's validation nll against
 fairseq's, the other-source nll against fairseq-validate on a rotated validation set, the
@@ -16,6 +16,9 @@ DEPTH = ["--depths", "2L-2L"]  # the decoder needs 4+ sub-layers for a "bottom q
 VARIANTS = ("admin-paper-floor", "admin-paper-closed-bottom", "admin-paper-max",
             "admin-paper-enc", "admin-paper-dec")
 TRAINED_VARIANTS = ("admin-paper-closed-bottom",)  # the file route, both stacks changed
+
+# the module fixture runs the study end to end: the file goes to a worker first (conftest.py)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,9 @@ from study_utils import TINY, load_study_module, study
 _RECIPE = [a for i, a in enumerate(TINY) if a != "--max-update" and TINY[i - 1] != "--max-update"]
 _SHORT, _LONG = 4, 8
 
+# the module fixture runs the study end to end: the file goes to a worker first (conftest.py)
+pytestmark = pytest.mark.slow
+
 
 def _rows(out):
     with open(out / "results.csv", newline="") as fh:

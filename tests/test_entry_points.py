@@ -1,7 +1,7 @@
 """The fairseq entry points users already use, with the plugin:
 
-* ``fairseq-hydra-train`` with the shipped config ``examples/wmt14_en_de/hydra/admin_18l_18l.yaml``:
-  the config is the ``train.sh admin 18l_18l`` recipe, and a run of it (shrunk through hydra
+* ``fairseq-hydra-train`` with the shipped config ``examples/wmt14_en_de/hydra/admin-paper_18l_18l.yaml``:
+  the config is the ``train.sh admin-paper 18l_18l`` recipe, and a run of it (shrunk through hydra
   overrides) trains exactly what ``fairseq-train`` with the recipe's command trains;
 * ``fairseq-interactive`` with a sentencepiece model on raw text, against ``fairseq-generate``;
 * the hub interface (``from_pretrained`` with ``user_dir``) translating raw sentences.
@@ -35,7 +35,7 @@ from fairseq_cli_utils import (
 
 VENV_BIN = Path(sys.executable).parent
 HYDRA_DIR = REPO / "examples" / "wmt14_en_de" / "hydra"
-HYDRA_CONFIG = "admin_18l_18l"
+HYDRA_CONFIG = "admin-paper_18l_18l"
 
 
 def console(tool, args, stdin=None, check=True, timeout=600):
@@ -50,7 +50,7 @@ def console(tool, args, stdin=None, check=True, timeout=600):
 
 
 def train_sh_command(**settings):
-    """The fairseq-train command of ``examples/wmt14_en_de/train.sh admin 18l_18l``, as its
+    """The fairseq-train command of ``examples/wmt14_en_de/train.sh admin-paper 18l_18l``, as its
     DRY_RUN prints it (argv, without running anything)."""
     e = env()
     for key in ("CUDA_VISIBLE_DEVICES", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NNODES",
@@ -58,7 +58,7 @@ def train_sh_command(**settings):
                 "RUN_DIR", "RUNS_DIR", "MAX_TOKENS", "EFFECTIVE_BATCH", "PRECISION", "DEVICE"):
         e.pop(key, None)
     e.update({"DRY_RUN": "1", **{k: str(v) for k, v in settings.items()}})
-    proc = subprocess.run(["bash", "examples/wmt14_en_de/train.sh", "admin", "18l_18l"],
+    proc = subprocess.run(["bash", "examples/wmt14_en_de/train.sh", "admin-paper", "18l_18l"],
                           cwd=REPO, env=e, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("+ ")][-1]

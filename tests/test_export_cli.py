@@ -15,7 +15,8 @@
 * CTranslate2 (the deploy extra) returns fairseq's beam output with the matched settings of
   ``fairseq_admin_pos.export.ct2`` on the tiny test set (fairseq's forced EOS at the length
   limit included), and its forced-decoding log-probabilities equal fairseq's; the forced-EOS
-  step and fairseq's batching are also checked on hand-made CTranslate2 results;
+  step (counted apart with ``FallbackTime``, the results unchanged) and fairseq's batching
+  are also checked on hand-made CTranslate2 results;
 * refused schemes, bad arguments and a CTranslate2 conversion that fails exit non-zero with
   one line and leave no file (nor a temporary one) behind.
 """
@@ -47,7 +48,7 @@ from model_utils import build_trainer
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from fairseq_admin_pos.cli import export as export_cli  # noqa: E402
-from fairseq_admin_pos.export.ct2 import translate  # noqa: E402
+from fairseq_admin_pos.export.ct2 import FallbackTime, translate  # noqa: E402
 
 BEAM, LENPEN, MAX_LEN_B = 3, 0.6, 30
 GENERATE = ["--beam", str(BEAM), "--lenpen", str(LENPEN), "--max-len-a", "0",
@@ -64,7 +65,8 @@ def runs(tiny_data, tmp_path_factory):
         *TINY_MODEL, "--admin-omega", "parameter", "--share-all-embeddings", "--lr", "5e-3"],
         max_update=60)
     train(tiny_data, root / "profile", "admin_transformer", [
-        *TINY_MODEL, "--admin-init", "profile", "--encoder-pos-emb", "scaled-sinusoidal",
+        *TINY_MODEL, "--admin-init", "profile", "--admin-omega", "buffer",
+        "--encoder-pos-emb", "scaled-sinusoidal",
         "--decoder-pos-emb", "learned"], max_update=8)
     return root
 
@@ -240,6 +242,22 @@ def test_ctranslate2_gives_fairseqs_beam_output(tiny_raw, runs, plain_generate):
             assert abs(normalised - reported) < 1e-4
     # the tiny model runs away on some sentences: the forced-EOS path is exercised
     assert at_limit >= 1
+    # timed apart (FallbackTime): the same results; the sentences counted are those forced
+    # decoding was run for (one score_batch call each)
+    calls = []
+
+    class Counted:
+        def translate_batch(self, *args, **kw):
+            return translator.translate_batch(*args, **kw)
+
+        def score_batch(self, sources, targets):
+            calls.append(len(sources))
+            return translator.score_batch(sources, targets)
+
+    fallback = FallbackTime()
+    assert translate(Counted(), sources, BEAM, LENPEN, max_len_a=0, max_len_b=MAX_LEN_B,
+                     fallback=fallback) == ours
+    assert fallback.sentences == len(calls) >= 1 and fallback.seconds > 0
 
 
 def test_forced_eos_is_fairseqs_last_step():

@@ -123,7 +123,7 @@ TRAIN_CASES = {
         "--admin-init profile cannot be combined with --store-ema: fairseq copies the model "
         "for the EMA when the trainer is built, i.e. before the omegas are profiled on the "
         "first batch"),
-    # issue 39: Peri-LN, Mix-LN and DyT (fairseq_admin_pos/models/flags.py, check_norm_flags)
+    # Peri-LN, Mix-LN and DyT (fairseq_admin_pos/models/flags.py, check_norm_flags)
     "mix-ln-alpha-without-mix-ln": (
         ["--admin-residual", "peri-ln", "--mix-ln-alpha", "0.5"],
         "--mix-ln-alpha 0.5 only applies to --admin-residual mix-ln (its fraction of Post-LN "
@@ -230,7 +230,8 @@ def test_fairseq_train_bad_flag_is_one_line(tiny_data, tmp_path, extra, message)
 
 @pytest.fixture(scope="module")
 def trained(tiny_data, tmp_path_factory):
-    """A checkpoint of one update (closed form, buffer omegas, sinusoidal positions)."""
+    """A checkpoint of one update (the defaults: closed-form omegas, each a trainable vector;
+    sinusoidal positions)."""
     save = tmp_path_factory.mktemp("flag_errors_ck")
     train(tiny_data, save, "admin_transformer", TINY_MODEL, max_update=1)
     return save / "checkpoint_last.pt"
@@ -246,10 +247,10 @@ def test_resume_with_other_settings_is_one_line_and_touches_nothing(tiny_data, t
     shutil.copy(trained, save / "checkpoint_last.pt")
     before = digest(save / "checkpoint_last.pt")
     proc = train(tiny_data, save, "admin_transformer",
-                 TINY_MODEL + ["--admin-omega", "parameter"], max_update=3, check=False)
+                 TINY_MODEL + ["--admin-omega", "buffer"], max_update=3, check=False)
     # fairseq's Trainer.load_checkpoint re-raises the error as a bare Exception: still one line
     assert_one_line_error(proc, "fairseq-train", SETTINGS_MISMATCH.format(
-        "--admin-omega: checkpoint 'buffer', flags 'parameter'"))
+        "--admin-omega: checkpoint 'parameter', flags 'buffer'"))
     assert files_under(save) == ["checkpoint_last.pt"]
     assert digest(save / "checkpoint_last.pt") == before
 
@@ -287,7 +288,7 @@ def test_fairseq_hydra_train_bad_model_setting_is_one_line(tiny_data, tmp_path, 
                                                             message):
     save = tmp_path / "ck"
     proc = run("fairseq_cli.hydra_train", [
-        "--config-dir", HYDRA_DIR, "--config-name", "admin_18l_18l", f"task.data={tiny_data}",
+        "--config-dir", HYDRA_DIR, "--config-name", "admin-paper_18l_18l", f"task.data={tiny_data}",
         "task.source_lang=src", "task.target_lang=tgt", f"checkpoint.save_dir={save}",
         # the shipped config writes hydra's own files into the save dir; elsewhere here
         f"hydra.run.dir={tmp_path / 'hydra'}", "common.cpu=true", "common.fp16=false",

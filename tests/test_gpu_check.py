@@ -100,7 +100,7 @@ def _report():
                 "timeout": 100.0, "train_seconds": 40.0, "updates": u, "first_loss": 14.5,
                 "last_loss": loss, "checkpoint_mib": 1650, "translated": 1000, "bleu": b,
                 "log": "logs/x.log"}
-               for s, u, loss, b in (("admin", 120, 12.25, 0.31), ("admin-closed-form", 131,
+               for s, u, loss, b in (("admin", 120, 12.25, 0.31), ("admin-paper", 131,
                                                                     11.9, 0.4),
                                      ("post-ln", 140, 12.0, 0.12))]
     recipes[2].update(status="timeout", error="train.sh did not finish within 100 s")
@@ -149,7 +149,7 @@ def test_report_markdown_and_json(tmp_path):
         "| train.sh post-ln 18l_18l | timeout | 71 s (100 s) | train.sh did not finish within "
         "100 s |",
         "| speed benchmark | passed | 185 s (190 s) | Markdown table and JSON below |",
-        "| admin-closed-form | 131 | 14.5 -> 11.9 | 1650 MiB | 1000 | 0.40 |",
+        "| admin-paper | 131 | 14.5 -> 11.9 | 1650 MiB | 1000 | 0.40 |",
         "| post-ln | 140 | 14.5 -> 12.0 | 1650 MiB | 1000 | - |",
         "| 6L-6L fp16 | 44,551 | 49,318 |",
         "* train.sh post-ln 18l_18l: train.sh did not finish within 100 s (log: `logs/x.log`)",
@@ -215,16 +215,16 @@ def test_recipe_step_on_the_cpu(tmp_path):
     assert data_step["status"] == "passed"
     assert data_step["sentences"] == {"train": 200, "valid": 10, "test": 12}
     step = gpu_check.recipe_run(
-        "admin-closed-form", data_step, out, logs, shims, 2, time.monotonic() + 240, None,
+        "admin", data_step, out, logs, shims, 2, time.monotonic() + 240, None,
         DEVICE="cpu", PRECISION="fp32", ARCH="admin_transformer_tiny")
-    assert step["status"] == "passed", (step, (logs / "admin-closed-form-train.log").read_text()[-3000:])
+    assert step["status"] == "passed", (step, (logs / "admin-train.log").read_text()[-3000:])
     assert step["stopped_by_time"] and step["updates"] >= 1 and step["checkpoint_mib"] >= 1
     assert step["translated"] == 12
-    assert not list((out / "runs" / "admin-closed-form").glob("*.pt"))  # removed after decoding
-    hyps, refs = gpu_check.generated_pairs((logs / "admin-closed-form-generate.txt").read_text())
+    assert not list((out / "runs" / "admin").glob("*.pt"))  # removed after decoding
+    hyps, refs = gpu_check.generated_pairs((logs / "admin-generate.txt").read_text())
     assert refs == (raw / "test.de").read_text().splitlines()  # no subwords: the raw targets
     assert step["bleu"] == round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
-    train_log = (logs / "admin-closed-form-train.log").read_text()
+    train_log = (logs / "admin-train.log").read_text()
     assert "--admin-init closed-form --admin-omega parameter" in train_log
     assert "--stop-time-hours 0.000556" in train_log
 

@@ -17,7 +17,7 @@ from model_utils import build, sample_batch
 
 POSITIONS = ["sinusoidal", "scaled-sinusoidal", "learned", "none"]
 SCHEMES = {
-    "admin-buffer": [],
+    "admin-buffer": ["--admin-omega", "buffer"],
     "admin-parameter": ["--admin-omega", "parameter"],
     "post-ln": ["--admin-init", "none"],
     "pre-ln": ["--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before"],
@@ -28,7 +28,7 @@ SCHEMES = {
     # ResiDual's stacks also compute the dual-stream norm for the monitor in training
     "b2t": ["--admin-residual", "b2t"],
     "resi-dual": ["--admin-residual", "resi-dual"],
-    # issue 39: the LayerNorm placements (Mix-LN's alpha 0.5: one Post-LN, one Pre-LN layer
+    # the LayerNorm placements (Mix-LN's alpha 0.5: one Post-LN, one Pre-LN layer
     # per 2-layer stack) and DyT in place of LayerNorm
     "peri-ln": ["--admin-residual", "peri-ln"],
     "mix-ln": ["--admin-residual", "mix-ln", "--mix-ln-alpha", "0.5"],

@@ -506,7 +506,7 @@ def test_hydra_train_with_mix_ln_and_dyt(tiny_data, tmp_path):
     save = tmp_path / "hydra"
     proc = subprocess.run([
         str(Path(sys.executable).parent / "fairseq-hydra-train"),
-        "--config-dir", "examples/wmt14_en_de/hydra", "--config-name", "admin_18l_18l",
+        "--config-dir", "examples/wmt14_en_de/hydra", "--config-name", "admin-paper_18l_18l",
         f"task.data={tiny_data}", "task.source_lang=src", "task.target_lang=tgt",
         f"checkpoint.save_dir={save}", "common.fp16=false", "common.cpu=true",
         "common.log_interval=1", "common.no_progress_bar=true",

@@ -40,7 +40,7 @@ from model_utils import POS_CHOICES, SMALL, build, build_trainer, residuals, sam
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-#: issue 39: DyT in place of every LayerNorm, per placement (Mix-LN's alpha 0.5: one Post-LN
+#: DyT in place of every LayerNorm, per placement (Mix-LN's alpha 0.5: one Post-LN
 #: and one Pre-LN layer per 2-layer stack); the other schemes are --admin-residual's choices
 DYT_SCHEMES = {
     "post-ln-dyt": ["--admin-init", "none", "--admin-norm", "dyt"],
@@ -52,7 +52,9 @@ DYT_SCHEMES = {
 
 
 def scheme_flags(scheme):
-    return DYT_SCHEMES.get(scheme, ["--admin-residual", scheme])
+    # admin: the fixed omega (--admin-omega buffer), the form whose precision is checked here
+    fixed = ["--admin-omega", "buffer"] if scheme == "admin" else []
+    return DYT_SCHEMES.get(scheme, ["--admin-residual", scheme, *fixed])
 
 
 # --------------------------------------------------------------------------------------- #
@@ -392,7 +394,7 @@ def test_profiling_statistics_stay_float32_in_a_low_precision_model(tiny_data, d
     from fairseq_admin_pos.models import admin_profile
 
     extra = SMALL + ["--encoder-layers", "3", "--decoder-layers", "2", "--admin-init", "profile",
-                     "--dropout", "0"]
+                     "--admin-omega", "buffer", "--dropout", "0"]
     model32, task, _ = build(tiny_data, "admin_transformer", extra, seed=2)
     low, _, _ = build(tiny_data, "admin_transformer", extra, seed=2)
     low.to(dtype)
@@ -542,7 +544,7 @@ BF16_TRAIN = (  # fairseq-train with tpu reset (fairseq_cli.train first: its log
 def test_cli_low_precision_checkpoint_loads_in_float32(tiny_data, tmp_path, precision, scheme, pos):
     save = tmp_path / "ck"
     argv = [tiny_data, "--user-dir", USER_DIR, "--arch", "admin_transformer", *TINY_MODEL,
-            "--admin-residual", scheme, "--encoder-pos-emb", pos, "--decoder-pos-emb", pos,
+            *scheme_flags(scheme), "--encoder-pos-emb", pos, "--decoder-pos-emb", pos,
             "--cpu", "--seed", "3", "--optimizer", "adam", "--lr", "2e-3", "--max-tokens", "400",
             "--no-progress-bar", "--log-format", "simple", "--log-interval", "1",
             "--num-workers", "0", "--criterion", "label_smoothed_cross_entropy",

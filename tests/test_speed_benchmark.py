@@ -76,7 +76,7 @@ def test_quick_run_prints_and_writes_every_variant(tiny_data, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "speed_vs_stock.py"), "--data", str(tiny_data),
          "--quick", "--threads", "1", "--json", str(out), "--variants",
-         # the default variants, then issue 39's (named: not in the default set)
+         # the default variants, then Peri-LN, Mix-LN and DyT (named: not in the default set)
          "admin,admin-buffer,b2t,resi-dual,pre-ln,peri-ln,mix-ln,pre-ln-dyt"],
         cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -200,26 +200,28 @@ _wmt_apply_and_clean() {
 # SEED, optionally TASK_SCHEMES (default $SCHEMES), FP16_FLAGS (array; default Clinic's loss
 # scaling) and RECIPE_FLAGS (array of further fairseq-train flags), then calls recipe_train.
 #
-# Schemes. The baselines and the paper's Admin train as Transformer-Clinic did (RAdam with
-# its first-steps behaviour, see fairseq_admin_pos/optim/radam.py), so they differ in the
-# residual alone; admin-closed-form is admin-torch's Admin, trained as admin-torch did (Adam).
+# Schemes: the names of fairseq_admin_pos/scheme_flags.py, the table that make demo and the
+# depth study read too; scheme_flags asks it for the flags. admin is the recommended Admin
+# (closed form, omega a trainable vector) and trains with Adam, as do post-ln and pre-ln, so
+# the three differ in the residual alone; admin-paper is the paper's Admin (omegas profiled
+# on the first training batch as Transformer-Clinic does) and brings RAdam with Clinic's
+# first-steps behaviour (fairseq_admin_pos/optim/radam.py), as do post-ln-paper and
+# pre-ln-paper, the paper's baselines as Clinic trained them. Every scheme takes the task's
+# schedule, which is the paper's (Transformer-Clinic's lr and warmup for that task).
 # The WMT14 tasks add kasai (TASK_SCHEMES): Kasai et al.'s published training of their deep
-# encoder, shallow decoder models, which replaces the task's settings (kasai_recipe).
-SCHEMES="post-ln pre-ln admin admin-closed-form"
-CLINIC_OPTIMIZER=(--optimizer radam --radam-early-steps skip --adam-betas "(0.9, 0.98)" --clip-norm 0.0)
-ADMIN_TORCH_OPTIMIZER=(--optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 0.0)
-# Kasai et al.'s command sets no --clip-norm: the default of the fairseq their code is built
-# on (jungokasai/deep-shallow, fairseq/options.py) is 25, that of fairseq 0.12 is 0
-KASAI_OPTIMIZER=(--optimizer adam --adam-betas "(0.9, 0.98)" --clip-norm 25.0)
+# encoder, shallow decoder models (stock Post-LN, their optimizer), which replaces the task's
+# settings (kasai_recipe).
+SCHEMES="post-ln pre-ln admin admin-paper post-ln-paper pre-ln-paper"
 
 # kasai_recipe: Kasai, Pappas, Peng, Cross & Smith, "Deep Encoder, Shallow Decoder", ICLR 2021
 # (arXiv 2006.10369), the training command of jungokasai/deep-shallow's README (its WMT16
-# En-De 12-1 model, 26.9 BLEU; 28.3 with distillation): stock fairseq transformer (Post-LN),
-# Adam, lr 5e-4, inverse_sqrt with 4000 warmup updates from 1e-7, --min-lr 1e-9, dropout 0.2
-# (attention / activation dropout 0, fairseq's transformer defaults), no weight decay, label
-# smoothing 0.1, shared embeddings, 16 GPUs x 4096 tokens (= 65536 tokens per update),
-# --max-update 300000, --fp16 with fairseq's default loss scaling, max positions 10000,
-# seed 1. Replaces the task's settings; the task's train.sh calls it for SCHEME=kasai.
+# En-De 12-1 model): stock fairseq transformer (Post-LN), Adam with gradient clipping at 25
+# (the default of the fairseq their code is built on; fairseq 0.12's is 0), lr 5e-4,
+# inverse_sqrt with 4000 warmup updates from 1e-7, --min-lr 1e-9, dropout 0.2 (attention /
+# activation dropout 0, fairseq's transformer defaults), no weight decay, label smoothing
+# 0.1, shared embeddings, 16 GPUs x 4096 tokens (= 65536 tokens per update), --max-update
+# 300000, --fp16 with fairseq's default loss scaling, max positions 10000, seed 1. Replaces
+# the task's settings; the task's train.sh calls it for SCHEME=kasai.
 kasai_recipe() {
   LR=5e-4; WARMUP=4000; DROPOUT=0.2; ATTENTION_DROPOUT=0.0; ACTIVATION_DROPOUT=0.0
   WEIGHT_DECAY=0.0; EFFECTIVE_BATCH_DEFAULT=65536; MAX_TOKENS_DEFAULT=4096
@@ -228,26 +230,18 @@ kasai_recipe() {
   RECIPE_FLAGS=(--max-source-positions 10000 --max-target-positions 10000)
 }
 
-# scheme_flags SCHEME: sets SCHEME_FLAGS (residual) and OPTIMIZER_FLAGS
+# scheme_flags SCHEME: sets SCHEME_FLAGS (the model's flags) and OPTIMIZER_FLAGS (the
+# scheme's optimizer over Adam, betas (0.9, 0.98), no clipping), read from the package's
+# table; a name outside TASK_SCHEMES (default $SCHEMES) stops with one line naming the
+# valid choices.
 scheme_flags() {
-  local valid="${TASK_SCHEMES:-$SCHEMES}"
-  [[ " $valid " == *" $1 "* ]] || die "SCHEME '$1' is not valid; valid choices: $valid"
-  case "$1" in
-    post-ln) SCHEME_FLAGS=(--admin-init none); OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
-    pre-ln) SCHEME_FLAGS=(--admin-init none --encoder-normalize-before --decoder-normalize-before)
-            OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
-    # the paper's Admin: omega profiled on the first training batch as Clinic's
-    # --init-type adaptive-profiling does (training-mode forward, padding counted), then a
-    # trainable vector of size embed_dim (--init-type adaptive)
-    admin) SCHEME_FLAGS=(--admin-init profile --admin-profile-mode clinic --admin-omega parameter)
-           OPTIMIZER_FLAGS=("${CLINIC_OPTIMIZER[@]}") ;;
-    # admin-torch: omega = sqrt((N+1)/ln(N+1) - 1) per stack, a trainable vector
-    admin-closed-form) SCHEME_FLAGS=(--admin-init closed-form --admin-omega parameter)
-                       OPTIMIZER_FLAGS=("${ADMIN_TORCH_OPTIMIZER[@]}") ;;
-    # Kasai et al.: fairseq's stock transformer, i.e. Post-LN with omega = 1 (kasai_recipe)
-    kasai) SCHEME_FLAGS=(--admin-init none); OPTIMIZER_FLAGS=("${KASAI_OPTIMIZER[@]}") ;;
-    *) die "SCHEME '$1' is not valid; valid choices: $valid" ;;
-  esac
+  local valid="${TASK_SCHEMES:-$SCHEMES}" lines model optimizer
+  lines="$("$PY" -m fairseq_admin_pos.scheme_flags --setting SCHEME --choices "$valid" \
+           --part lines -- "$1")" || exit 2
+  { IFS= read -r model; IFS= read -r optimizer; } <<< "$lines"
+  # the words come shell-quoted from python's shlex.quote: the eval only undoes the quoting
+  eval "SCHEME_FLAGS=($model)"
+  eval "OPTIMIZER_FLAGS=($optimizer)"
 }
 
 # shell_words ARRAY VAR: split the value of the variable VAR into the array ARRAY as the
@@ -264,8 +258,8 @@ recipe_train() {
   local var
   for var in ADMIN_INIT OPTIMIZER; do
     [[ -z "${!var:-}" ]] || die "$var is no longer read: SCHEME sets the initialisation and the" \
-      "optimizer (post-ln, pre-ln, admin: RAdam as Transformer-Clinic; admin-closed-form:" \
-      "admin-torch's closed form with Adam); pass other fairseq flags with EXTRA_ARGS. Unset $var."
+      "optimizer (the *-paper schemes: RAdam as Transformer-Clinic; the others: Adam); pass other" \
+      "fairseq flags with EXTRA_ARGS. Unset $var."
   done
   scheme_flags "$SCHEME"
   local label="$SCHEME"
@@ -483,7 +477,7 @@ recipe_eval() {
     --remove-bpe --batch-size "${GEN_BATCH_SIZE:-128}" "${gen_flags[@]}"
     --required-batch-size-multiple 1)
   # ^ fairseq's batch_by_size drops a final batch whose size is not a multiple of
-  #   --required-batch-size-multiple (default 8; fairseq issue #5036): up to 7 test
+  #   --required-batch-size-multiple (default 8; fairseq#5036 on GitHub): up to 7 test
   #   sentences would go untranslated. The plugin's batching_fix repairs that too; with a
   #   multiple of 1 nothing depends on it, and `score` refuses an incomplete output.
   local gen_extra=()

@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
-# WMT14 En-De: train Post-LN, Pre-LN or Admin as Transformer-Clinic did, or a deep encoder,
-# shallow decoder as Kasai et al. did.
+# WMT14 En-De: train Admin, the paper's Admin, Post-LN or Pre-LN with Transformer-Clinic's
+# recipe, or a deep encoder, shallow decoder as Kasai et al. did.
 #
 #   examples/wmt14_en_de/train.sh SCHEME DEPTH [SEED]
-#     SCHEME  post-ln | pre-ln | admin | admin-closed-form | kasai      (default admin)
+#     SCHEME  admin | admin-paper | post-ln | pre-ln | post-ln-paper | pre-ln-paper | kasai
+#             (default admin)
 #     DEPTH   6l_6l | 12l_12l | 18l_18l | 60l_12l | 100l_100l           (default 6l_6l)
 #             shallow decoders: 6l_1l | 12l_1l | 12l_2l | 18l_1l | 18l_2l | 24l_1l
 #     SEED    default 1111 (Transformer-Clinic's); 1 with kasai (Kasai et al.'s)
 #
-# Schemes: admin is the paper's Admin (omega profiled on the first training batch as
-# Clinic's --init-type adaptive-profiling, then a trainable vector: --admin-init profile
-# --admin-profile-mode clinic --admin-omega parameter); post-ln and pre-ln are Clinic's
-# baselines. All three train with RAdam as Clinic (--optimizer radam --radam-early-steps
-# skip), so they differ in the residual alone. admin-closed-form is admin-torch's Admin
-# (--admin-init closed-form --admin-omega parameter) with Adam, as admin-torch trains it.
-# kasai is Kasai et al.'s published training of their deep-shallow models: stock Post-LN
-# (--admin-init none) with their own optimizer, schedule, dropout, batch and length (below).
-#
-# In this package's CPU-scale depth study the paper's Admin failed at 24L-3L (lr 2e-3, 400
-# warmup, 700 updates) where the closed form trained, and trained nearly as well as the
-# closed form with 2000 warmup updates at lr 1e-3 (two seeds each): README.md of this folder.
+# Schemes (flags from fairseq_admin_pos/scheme_flags.py, the table make demo reads too):
+# admin is the recommended Admin, admin-torch's closed form with omega a trainable vector
+# (--admin-init closed-form --admin-omega parameter), trained with Adam; post-ln and pre-ln
+# train with Adam too, so the three differ in the residual alone. admin-paper is the paper's
+# Admin as Clinic runs it (omegas profiled on the first training batch in training mode, a
+# trainable vector: --admin-init profile --admin-profile-mode clinic --admin-omega
+# parameter) with RAdam (--optimizer radam --radam-early-steps skip), as do post-ln-paper
+# and pre-ln-paper, the paper's baselines as Clinic trained them. All take the recipe below,
+# whose schedule is the paper's. kasai is Kasai et al.'s published training of their
+# deep-shallow models: stock Post-LN (--admin-init none) with their own optimizer, schedule,
+# dropout, batch and length (below). How the two Admins compared in this package's CPU-scale
+# depth study: README.md of this folder.
 #
 # Published recipe (Liu et al. 2020; Transformer-Clinic nmt-experiments/wmt14_en-de.md):
 # 4 GPUs x 8192 tokens x update-freq 1 = 32768 tokens per update, lr 1e-3, inverse_sqrt with
@@ -30,8 +31,8 @@
 # reached), --fp16 --fp16-scale-window 256 --threshold-loss-scale 0.03125, seed 1111.
 # 60l_12l: same recipe (the Very Deep Transformers paper's En-De batch is not restated here).
 # 100l_100l: admin-torch's 8 GPUs x 2048 tokens x 32 = 524288 tokens, 40 epochs.
-# Shallow decoders (6l_1l ... 24l_1l) with post-ln / pre-ln / admin / admin-closed-form: the
-# same recipe. It is the setting of the public Transformer-Clinic report that Admin's
+# Shallow decoders (6l_1l ... 24l_1l) with every scheme but kasai: the same recipe. With
+# admin-paper it is the setting of the public Transformer-Clinic report that Admin's
 # reference code trains 12L-12L but diverges at 12L-1L, 12L-2L, 18L-1L and 18L-2L (RAdam,
 # profiled omegas, lr 1e-3, 8000 warmup updates, 8 GPUs x 4096 tokens = the same 32768).
 #

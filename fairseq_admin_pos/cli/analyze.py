@@ -1,9 +1,10 @@
 r"""``fairseq-admin-analyze``: why deep Post-LN fails, measured at initialisation.
 
-For every variant (Post-LN, Pre-LN, Admin closed-form, Admin profiled, ...) and depth N, the
-tool builds the real ``admin_transformer`` (fairseq's own model-building path, float32, eval
-mode: no dropout) with N encoder and N decoder layers (``--decoder-layers`` to fix the decoder
-depth instead) and measures
+For every variant (``post-ln``, ``pre-ln``, ``admin``, ``admin-profile``, ...: the scheme
+names of :mod:`fairseq_admin_pos.scheme_flags`, the ones the demo and the recipes use) and
+depth N, the tool builds the real ``admin_transformer`` (fairseq's own model-building path,
+float32, eval mode: no dropout) with N encoder and N decoder layers (``--decoder-layers`` to
+fix the decoder depth instead) and measures
 
 * **the omegas** of every residual sub-layer (1 for Post-LN/Pre-LN; the closed form; or
   profiled on the input batch as ``--admin-init profile --admin-profile-mode eval`` does on
@@ -31,8 +32,8 @@ Admin. The tool writes ``output_change.csv`` (one row per variant, depth and see
 ``--out-dir`` and prints a table with, per variant, the growth from the smallest to the
 largest depth and the log-log slope (1 = linear in depth).
 
-Variants are entries of :data:`VARIANTS`: a name, the extra ``admin_transformer``
-command-line arguments, and an optional ``prepare(model, net_input)`` run after building
+Variants are entries of :data:`VARIANTS`: a scheme name, its ``admin_transformer`` flags
+from the scheme table, and an optional ``prepare(model, net_input)`` run after building
 (profiling uses it). The residual-scheme rivals (``--admin-residual``, see
 :mod:`fairseq_admin_pos.schemes`) are entries too: ``deepnorm`` (omega column = DeepNorm's
 alpha), ``rezero``, ``rezero-post-ln``, ``b2t`` and ``resi-dual`` (omega column = 1, the
@@ -42,8 +43,9 @@ branch scalars start at 0, so every layer is the identity at initialisation and 
 does not depend on any branch weight: its output change under ``--perturb branches`` is
 exactly 0 at every depth (the scalars themselves are perturbed relative to their rms, 0).
 The plot cannot draw 0 on a log axis and lists such a variant in the legend instead.
-``--variants`` defaults to the Admin comparison (Post-LN, Pre-LN, Admin closed-form and
-profiled); ``all`` adds the rivals, the LayerNorm placements Peri-LN and Mix-LN, and
+``--variants`` defaults to the Admin comparison (``post-ln``, ``pre-ln``, ``admin``: the
+closed form, ``admin-profile``: profiled without dropout; ``admin-paper`` profiles in
+Transformer-Clinic's training mode); ``all`` adds the rivals, the LayerNorm placements Peri-LN and Mix-LN, and
 Post-LN, Pre-LN, Peri-LN and Mix-LN with DyT in place of LayerNorm (``*-dyt``).
 
 ``--checkpoint CKPT`` measures a trained model instead: the same output change for the

@@ -23,8 +23,9 @@ scheme's run goes under ``--out/<scheme>/`` (``--out/<scheme>-<E>L-<D>L/`` at ot
 checkpoints, logs, ``results.json`` with the BLEU, its signature and timings; a folder keeps
 the recipe it started with), so ``--scheme post-ln`` trains the baseline next to the
 default with the same data and recipe, and the last lines compare every scheme run so far.
-With the defaults it took 13.6 minutes on an idle 2-core AMD EPYC and 19.6 minutes on a
-2-core Intel Xeon (2.8 GHz) (BLEU 28.50 / 29.23; README.md and docs/demo.md).
+The schemes are :data:`fairseq_admin_pos.scheme_flags.SCHEMES` (one table for the demo, the
+depth study, the analysis tool and the recipes). Measured times and BLEU, with the machines
+they were measured on: docs/demo.md.
 """
 from __future__ import annotations
 
@@ -42,31 +43,13 @@ import urllib.request
 from pathlib import Path
 from typing import List, Sequence
 
+from fairseq_admin_pos.scheme_flags import SCHEMES, TABLE
+
 DEFAULT_BASE_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr"}
 LANGS = ("en", "de")
 # the --user-dir target: the package folder (this file is in its cli/ subfolder)
 PKG_DIR = Path(__file__).resolve().parents[1]
-
-#: residual schemes of the demo and of benchmarks/depth_study.py: the admin_transformer flags
-#: that make each one (everything else is the shared recipe)
-SCHEMES = {
-    # stock fairseq Post-LN: omega = 1
-    "post-ln": ["--admin-init", "none"],
-    "pre-ln": ["--admin-init", "none", "--encoder-normalize-before",
-               "--decoder-normalize-before"],
-    # admin-torch's O(logn) closed form, omega a trainable vector (admin-torch's best setting)
-    "admin": ["--admin-init", "closed-form", "--admin-omega", "parameter"],
-    # the paper's Admin as Transformer-Clinic runs it: profiled on the first batch in training
-    # mode (dropout on, padding counted), a trainable omega vector, RAdam with Clinic's first
-    # steps (weight decay only while the variance is not yet tractable)
-    "admin-paper": ["--admin-init", "profile", "--admin-profile-mode", "clinic",
-                    "--admin-omega", "parameter", "--optimizer", "radam",
-                    "--radam-early-steps", "skip"],
-    # DeepNet (Wang et al. 2022): LN(alpha x + f(x)) with beta-scaled initialisation
-    "deepnorm": ["--admin-residual", "deepnorm"],
-}
-
 
 def log(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
@@ -248,7 +231,7 @@ def device_flags(device: str) -> List[str]:
 def train_command(args, data_bin: Path, save_dir: Path, device: str = "cpu") -> List[str]:
     scheme = SCHEMES[args.scheme]
     # a scheme may bring its own optimizer (admin-paper: RAdam, as Transformer-Clinic)
-    optimizer = [] if "--optimizer" in scheme else ["--optimizer", "adam"]
+    optimizer = [] if TABLE[args.scheme].optimizer else ["--optimizer", "adam"]
     return [
         *tool("fairseq-train"), data_bin, "--user-dir", PKG_DIR,
         "--arch", "admin_transformer", *device_flags(device), "--seed", str(args.seed),
@@ -383,9 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"decoder depth (default {DEMO_DEPTHS[1]})")
     p.add_argument("--dim", type=int, default=128, help="model width; FFN is 4x (default 128)")
     p.add_argument("--scheme", default="admin", choices=tuple(SCHEMES),
-                   help="residual scheme: admin (default; closed-form omegas, trainable), "
-                   "post-ln (stock fairseq: the baseline that fails when deep), pre-ln, "
-                   "admin-paper (profiled omegas, RAdam), deepnorm; each run goes to --out/SCHEME")
+                   help="residual scheme (default admin; docs/schemes.md); each run goes to "
+                   "--out/SCHEME")
     p.add_argument("--vocab", type=int, default=8000, help="joint sentencepiece size (default 8000)")
     p.add_argument("--max-update", type=int, default=700,
                    help="training updates (default 700, about 5 epochs of Multi30k)")
@@ -444,6 +426,7 @@ def main(argv=None) -> None:
     print(f"signature: {result['signature']}")
     log(f"done in {result['total_seconds']:.0f}s; results in {run_dir / 'results.json'}")
     compare(out)
+    log("measured runs of the demo, with their machines: docs/demo.md")
 
 
 if __name__ == "__main__":

@@ -24,9 +24,9 @@ fairseq's layer computes ``LN(x + f(x))``.
 
    Folding ``1 / w`` into ``out_proj`` / ``fc2`` (weight and bias) gives ``v = x + f / w``
    exactly (``scalar_fold="input"`` folds a scalar w as in section 3 instead: exact, at the
-   price of section 3's per-side tables). fairseq's LayerNorm has a fixed ``eps`` (1e-5, not stored in the checkpoint), so
-   the stock model computes ``LN_eps(v)`` instead of ``LN_{eps/w^2}(v)``: its normalised
-   part is the exact one times
+   price of section 3's per-side tables). fairseq's LayerNorm has a fixed ``eps`` (1e-5,
+   not stored in the checkpoint), so the stock model computes ``LN_eps(v)`` instead of
+   ``LN_{eps/w^2}(v)``: its normalised part is the exact one times
 
        r = sqrt((var v + eps / w^2) / (var v + eps))
 
@@ -40,10 +40,10 @@ fairseq's layer computes ``LN(x + f(x))``.
    (var about mean(g^2), about 1) and ``f / w`` adds to it, so with eps = 1e-5 each affected
    LayerNorm is off by about 5e-6 * (1 - 1/w^2) / var v relative, a few 1e-6 (for w > 1 the
    stock output is that much smaller; for w < 1, larger). Pads, whose stream is near zero,
-   see more, but nothing reads them (attention masks them). :func:`eps_relative_error` gives delta;
-   ``tests/test_export.py`` measures it per LayerNorm and end to end (log-probabilities),
-   and shows that patching each such LayerNorm's eps to ``eps / w^2`` makes the export
-   exact. w = 1 (Post-LN, Pre-LN, ``O(n)``) is exact.
+   see more, but nothing reads them (attention masks them). :func:`eps_relative_error` gives
+   delta; ``tests/test_export_fold.py`` measures it per LayerNorm and end to end
+   (log-probabilities), and shows that patching each such LayerNorm's eps to ``eps / w^2``
+   makes the export exact. w = 1 (Post-LN, Pre-LN, ``O(n)``) is exact.
 
 3. **Vector shortcut weight w (``--admin-omega parameter``), exact.** LayerNorm does not
    absorb a per-channel scale, so ``w * x`` is folded into whatever produced ``x`` and
@@ -88,7 +88,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -103,6 +103,7 @@ __all__ = [
     "ModelLayout",
     "FoldResult",
     "SUBLAYERS",
+    "Sublayer",
     "eps_relative_error",
     "fairseq_sinusoid_table",
     "fold_state_dict",
@@ -219,32 +220,80 @@ def fairseq_sinusoid_table(num_positions: int, dim: int, padding_idx: int) -> Te
     return table
 
 
-#: per layer, in execution order: (residual module, LayerNorm after it, branch output
-#: Linear, the branch's input projections that read the sub-layer input)
+class Sublayer(NamedTuple):
+    """One residual sub-layer of a layer, by its module names under the layer."""
+
+    residual: str  #: the residual module holding the shortcut weight (omega/alpha)
+    norm: str  #: the LayerNorm after the residual sum (Post-LN)
+    out: str  #: the branch's output Linear
+    inputs: Tuple[str, ...]  #: the branch's input projections that read the sub-layer input
+
+
+#: per layer, in execution order
 SUBLAYERS = {
     "encoder": (
-        ("self_attn_residual", "self_attn_layer_norm", "self_attn.out_proj",
-         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("final_residual", "final_layer_norm", "fc2", ("fc1",)),
+        Sublayer("self_attn_residual", "self_attn_layer_norm", "self_attn.out_proj",
+                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        Sublayer("final_residual", "final_layer_norm", "fc2", ("fc1",)),
     ),
     "decoder": (
-        ("self_attn_residual", "self_attn_layer_norm", "self_attn.out_proj",
-         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("encoder_attn_residual", "encoder_attn_layer_norm", "encoder_attn.out_proj",
-         ("encoder_attn.q_proj",)),
-        ("final_residual", "final_layer_norm", "fc2", ("fc1",)),
+        Sublayer("self_attn_residual", "self_attn_layer_norm", "self_attn.out_proj",
+                 ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        Sublayer("encoder_attn_residual", "encoder_attn_layer_norm", "encoder_attn.out_proj",
+                 ("encoder_attn.q_proj",)),
+        Sublayer("final_residual", "final_layer_norm", "fc2", ("fc1",)),
     ),
 }
 
 #: the plugin's keys that stock fairseq does not have (besides the residual modules)
 _PLUGIN_KEYS = ("_extra_state", "admin_profiled")
 
+#: where a scalar shortcut weight goes: ``output`` = 1/w into out_proj/fc2 (section 2,
+#: exact up to the eps term, the model keeps its shared tables and sinusoid); ``input`` =
+#: as a vector (section 3: exact, per-side tables, learned positions)
+SCALAR_FOLDS = ("output", "input")
+
+
+@dataclass(frozen=True)
+class _Shortcut:
+    """The residual weight of one sub-layer, taken out of the state dict."""
+
+    layer: str  #: the layer's key prefix, e.g. ``encoder.layers.3.``
+    sublayer: Sublayer
+    kind: str  #: ``omega`` (shortcut weight w) or ``alpha`` (ReZero's branch weight a)
+    weight: Tensor  #: float32, one element (a scalar) or one per channel (a vector)
+
+    @property
+    def residual_key(self) -> str:
+        return self.layer + self.sublayer.residual
+
+    @property
+    def norm_key(self) -> str:
+        return self.layer + self.sublayer.norm
+
+    @property
+    def is_vector(self) -> bool:
+        return self.weight.numel() > 1
+
+    @property
+    def scalar(self) -> float:
+        return float(self.weight.reshape(-1)[0])
+
+
+@dataclass
+class _Positions:
+    """Per side: the position table as fairseq's learned layout (None: no positions) and the
+    kind fairseq will be told (``sinusoidal``, ``learned`` or ``none``)."""
+
+    tables: Dict[str, Optional[Tensor]]
+    kinds: Dict[str, str]
+
 
 def _sublayers(stack: StackLayout):
-    for name in SUBLAYERS[stack.side]:
-        if name[0] == "encoder_attn_residual" and not stack.cross_attention:
+    for sub in SUBLAYERS[stack.side]:
+        if sub.residual == "encoder_attn_residual" and not stack.cross_attention:
             continue
-        yield name
+        yield sub
 
 
 def _residual_weight(sd: Dict[str, Tensor], prefix: str) -> Tuple[str, Tensor]:
@@ -306,10 +355,161 @@ def _position_table(sd, stack: StackLayout) -> Optional[Tensor]:
     raise ValueError(f"unknown {stack.side} positions {stack.positions!r}")
 
 
-#: where a scalar shortcut weight goes: ``output`` = 1/w into out_proj/fc2 (section 2,
-#: exact up to the eps term, the model keeps its shared tables and sinusoid); ``input`` =
-#: as a vector (section 3: exact, per-side tables, learned positions)
-SCALAR_FOLDS = ("output", "input")
+# -- the steps of fold_state_dict, in the order it runs them ---------------------------------
+
+
+def _stock_copy(state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+    """A copy of ``state_dict`` (tensors cloned) without the plugin's own keys."""
+    return {k: (v.detach().clone() if isinstance(v, Tensor) else v)
+            for k, v in state_dict.items() if k not in _PLUGIN_KEYS}
+
+
+def _take_shortcuts(sd, stack: StackLayout, scalar_fold: str) -> List[_Shortcut]:
+    """The residual weights of every sub-layer of ``stack`` in execution order, removed from
+    ``sd``. An untrained vector (all ones) becomes a scalar 1 (nothing to fold); with
+    ``scalar_fold="input"`` a Post-LN scalar omega other than 1 becomes a vector."""
+    shortcuts = []
+    for i in range(stack.layers):
+        layer = f"{stack.side}.layers.{i}."
+        for sub in _sublayers(stack):
+            kind, value = _residual_weight(sd, f"{layer}{sub.residual}.")
+            del sd[f"{layer}{sub.residual}.{kind}"]
+            if value.numel() > 1 and bool((value == 1).all()):
+                value = value.reshape(-1)[:1]
+            if (kind == "omega" and value.numel() == 1 and scalar_fold == "input"
+                    and not stack.normalize_before and float(value) != 1.0):
+                value = value.reshape(1).expand(stack.embed_dim)
+            shortcuts.append(_Shortcut(layer=layer, sublayer=sub, kind=kind, weight=value))
+    return shortcuts
+
+
+def _start_positions(sd, layout: ModelLayout) -> _Positions:
+    """Each side's position table before any fold, and its kind for fairseq (a scaled
+    sinusoid becomes a learned table, section 4)."""
+    tables, kinds = {}, {}
+    for stack in layout.stacks():
+        tables[stack.side] = _position_table(sd, stack)
+        kinds[stack.side] = {"scaled-sinusoidal": "learned"}.get(stack.positions,
+                                                                  stack.positions)
+    return _Positions(tables=tables, kinds=kinds)
+
+
+def _check_pre_ln(stack: StackLayout, shortcuts: List[_Shortcut]) -> None:
+    """A Pre-LN stack is a stock stack when every shortcut weight is 1 (section 5)."""
+    bad = [s for s in shortcuts if not bool((s.weight == 1).all())]
+    if bad:
+        raise NotExportable(
+            f"the Pre-LN {stack.side} has shortcut weights other than 1 (first: "
+            f"{bad[0].residual_key}): a Pre-LN shortcut is not normalised, so no fold into "
+            "fairseq's layers exists"
+        )
+
+
+def _fold_scalar(sd, shortcut: _Shortcut, eps_scales: Dict[str, float]) -> None:
+    """Section 2: 1/w into the branch output; the LayerNorm after it is listed in
+    ``eps_scales`` when w != 1."""
+    w = shortcut.scalar
+    if not w > 0 or not math.isfinite(w):
+        raise NotExportable(
+            f"{shortcut.residual_key}.omega is {w}: the scalar fold "
+            "LN(w x + f) = LN(x + f / w) needs w > 0"
+        )
+    if w != 1.0:
+        _scale_out(sd, shortcut.layer + shortcut.sublayer.out, 1.0 / w)
+        eps_scales[shortcut.norm_key] = w
+
+
+def _fold_vector(sd, stack: StackLayout, shortcut: _Shortcut, producer: Optional[_Shortcut],
+                 positions: _Positions) -> None:
+    """Section 3: w into whatever produced the sub-layer input (the LayerNorm of the
+    ``producer`` sub-layer, else the embedding's LayerNorm, else the token and position
+    tables), 1/w into the branch's input projections."""
+    w = shortcut.weight
+    if producer is not None:
+        _scale_norm(sd, producer.norm_key, w)
+    elif stack.layernorm_embedding:
+        _scale_norm(sd, f"{stack.side}.layernorm_embedding", w)
+    else:
+        tok = f"{stack.side}.embed_tokens.weight"
+        sd[tok] = sd[tok] * w.to(sd[tok].dtype)
+        table = positions.tables[stack.side]
+        if table is not None:
+            positions.tables[stack.side] = table * w.to(table.dtype)
+            positions.kinds[stack.side] = "learned"
+    for key in shortcut.sublayer.inputs:
+        _divide_inputs(sd, shortcut.layer + key, w)
+
+
+def _fold_stack(sd, stack: StackLayout, shortcuts: List[_Shortcut], positions: _Positions,
+                eps_scales: Dict[str, float]) -> None:
+    """Fold every shortcut weight of one stack into its stock parameters, in execution
+    order (a vector fold scales the LayerNorm of the sub-layer before it)."""
+    if stack.normalize_before:
+        _check_pre_ln(stack, shortcuts)
+        return
+    for idx, shortcut in enumerate(shortcuts):
+        if shortcut.kind == "alpha":  # section 1: a * f(x), exact
+            _scale_out(sd, shortcut.layer + shortcut.sublayer.out, shortcut.scalar)
+        elif not shortcut.is_vector:
+            _fold_scalar(sd, shortcut, eps_scales)
+        else:
+            _fold_vector(sd, stack, shortcut, shortcuts[idx - 1] if idx > 0 else None,
+                         positions)
+
+
+def _keep_output_projection(sd, state_dict, layout: ModelLayout, vector: bool,
+                            folds: List[str]) -> bool:
+    """After a vector fold into the token tables, the output projection keeps the original
+    table under its own key (the tables are un-shared); returns whether they were."""
+    unshared = vector and not any(s.layernorm_embedding for s in layout.stacks())
+    if unshared:
+        # fairseq saves a tied output_projection.weight under its own key; an untied one is
+        # its own anyway
+        original = state_dict.get("decoder.output_projection.weight")
+        if original is None:
+            original = state_dict["decoder.embed_tokens.weight"]
+        sd["decoder.output_projection.weight"] = original.detach().clone()
+        folds.append("shortcut weights w folded into the LayerNorms before them, the token "
+                     "tables (one per side) and positions, 1/w into q/k/v/fc1 (exact)")
+    elif vector:
+        folds.append("shortcut weights w folded into the LayerNorms before them and "
+                     "layernorm_embedding, 1/w into q/k/v/fc1 (exact)")
+    return unshared
+
+
+def _store_positions(sd, layout: ModelLayout, positions: _Positions, none_as_zero_table: bool,
+                     vector: bool, folds: List[str]) -> None:
+    """Write each learned table into the state dict. A side without positions gets an
+    all-zero learned table when the other side has positions (or ``none_as_zero_table``)."""
+    kinds = positions.kinds
+    if "none" in kinds.values() and (none_as_zero_table or set(kinds.values()) != {"none"}):
+        for stack in layout.stacks():
+            if kinds[stack.side] == "none":
+                rows = stack.max_positions + stack.padding_idx + 1
+                positions.tables[stack.side] = torch.zeros(
+                    rows, stack.embed_dim, dtype=sd[f"{stack.side}.embed_tokens.weight"].dtype)
+                kinds[stack.side] = "learned"
+                folds.append(f"{stack.side} positions none -> an all-zero learned table")
+    for stack in layout.stacks():
+        if kinds[stack.side] == "learned":
+            table = positions.tables[stack.side]
+            sd[f"{stack.side}.embed_positions.weight"] = table.detach().clone().contiguous()
+        if stack.positions == "scaled-sinusoidal" and not vector:
+            folds.append(f"{stack.side} scaled-sinusoid positions -> learned table "
+                         "(table x scale)")
+
+
+def _scalar_summary(shortcuts: List[_Shortcut], eps_scales: Dict[str, float]) -> List[str]:
+    """The log lines of the scalar folds (ReZero's a; 1/w into the branch outputs)."""
+    lines = []
+    if any(s.kind == "alpha" for s in shortcuts):
+        lines.append("ReZero's a folded into out_proj/fc2 (exact)")
+    if eps_scales:
+        ws = sorted(eps_scales.values())
+        lines.append(f"scalar omega 1/w folded into out_proj/fc2 of {len(ws)} sub-layers "
+                     f"(w in [{ws[0]:.4g}, {ws[-1]:.4g}]; exact up to the LayerNorm eps, "
+                     "fairseq_admin_pos.export.fold section 2)")
+    return lines
 
 
 def fold_state_dict(state_dict: Dict[str, Tensor], layout: ModelLayout,
@@ -320,124 +520,28 @@ def fold_state_dict(state_dict: Dict[str, Tensor], layout: ModelLayout,
     rounding, or up to the LayerNorm eps term of section 2, listed in ``eps_scales``).
 
     Raises :class:`NotExportable` (a message naming the scheme and why) for
-    :data:`REFUSED` schemes, :data:`REFUSED_NORMS` normalisations, a Pre-LN stack with omega != 1, and a scalar shortcut weight
-    that is not positive. ``state_dict`` is not modified. ``none_as_zero_table``: a side
-    without positions gets an all-zero learned table even when the other side has none
-    too (CTranslate2's converter refuses ``--no-token-positional-embeddings``).
-    ``scalar_fold``: :data:`SCALAR_FOLDS`.
+    :data:`REFUSED` schemes, :data:`REFUSED_NORMS` normalisations, a Pre-LN stack with
+    omega != 1, and a scalar shortcut weight that is not positive. ``state_dict`` is not
+    modified. ``none_as_zero_table``: a side without positions gets an all-zero learned
+    table even when the other side has none too (CTranslate2's converter refuses
+    ``--no-token-positional-embeddings``). ``scalar_fold``: :data:`SCALAR_FOLDS`.
     """
     _check_scheme(layout)
     if scalar_fold not in SCALAR_FOLDS:
         raise ValueError(f"scalar_fold must be one of {', '.join(SCALAR_FOLDS)}; got "
                          f"{scalar_fold!r}")
-    sd = {k: (v.detach().clone() if isinstance(v, Tensor) else v)
-          for k, v in state_dict.items() if k not in _PLUGIN_KEYS}
+    sd = _stock_copy(state_dict)
+    shortcuts = {stack.side: _take_shortcuts(sd, stack, scalar_fold)
+                 for stack in layout.stacks()}
+    every = [s for stack in layout.stacks() for s in shortcuts[stack.side]]
+    vector = any(s.is_vector for s in every)
+    positions = _start_positions(sd, layout)
     eps_scales: Dict[str, float] = {}
+    for stack in layout.stacks():
+        _fold_stack(sd, stack, shortcuts[stack.side], positions, eps_scales)
     folds: List[str] = []
-
-    # the residual weights of every sub-layer, per stack, in execution order
-    weights = {}
-    for stack in layout.stacks():
-        rows = []
-        for i in range(stack.layers):
-            lp = f"{stack.side}.layers.{i}."
-            for res, norm, out, inputs in _sublayers(stack):
-                kind, value = _residual_weight(sd, lp + res + ".")
-                del sd[f"{lp}{res}.{kind}"]
-                if value.numel() > 1 and bool((value == 1).all()):
-                    value = value.reshape(-1)[:1]  # an untrained vector: nothing to fold
-                if (kind == "omega" and value.numel() == 1 and scalar_fold == "input"
-                        and not stack.normalize_before and float(value) != 1.0):
-                    value = value.reshape(1).expand(stack.embed_dim)
-                rows.append((lp, kind, value, norm, out, inputs))
-        weights[stack.side] = rows
-
-    vector = any(v.numel() > 1 for rows in weights.values() for _, _, v, *_ in rows)
-    position_kinds: Dict[str, str] = {}
-    tables: Dict[str, Optional[Tensor]] = {}
-    for stack in layout.stacks():
-        tables[stack.side] = _position_table(sd, stack)
-        position_kinds[stack.side] = {"scaled-sinusoidal": "learned"}.get(
-            stack.positions, stack.positions)
-
-    for stack in layout.stacks():
-        rows = weights[stack.side]
-        if stack.normalize_before:
-            bad = [lp + norm for lp, _, v, norm, *_ in rows if not bool((v == 1).all())]
-            if bad:
-                raise NotExportable(
-                    f"the Pre-LN {stack.side} has shortcut weights other than 1 (first: "
-                    f"{bad[0].replace('_layer_norm', '_residual')}): a Pre-LN shortcut is not "
-                    "normalised, so no fold into fairseq's layers exists"
-                )
-            continue
-        for idx, (lp, kind, w, norm, out, inputs) in enumerate(rows):
-            if kind == "alpha":  # section 1: a * f(x), exact
-                _scale_out(sd, lp + out, float(w.reshape(-1)[0]))
-                continue
-            if w.numel() == 1:  # section 2: 1/w into the branch output
-                wf = float(w.reshape(-1)[0])
-                if not wf > 0 or not math.isfinite(wf):
-                    raise NotExportable(
-                        f"{lp}{norm.replace('_layer_norm', '_residual')}.omega is {wf}: the "
-                        "scalar fold LN(w x + f) = LN(x + f / w) needs w > 0"
-                    )
-                if wf != 1.0:
-                    _scale_out(sd, lp + out, 1.0 / wf)
-                    eps_scales[lp + norm] = wf
-                continue
-            # section 3: w * x into the producer, 1/w into the branch's input projections
-            if idx > 0:
-                _scale_norm(sd, rows[idx - 1][0] + rows[idx - 1][3], w)
-            elif stack.layernorm_embedding:
-                _scale_norm(sd, f"{stack.side}.layernorm_embedding", w)
-            else:
-                tok = f"{stack.side}.embed_tokens.weight"
-                sd[tok] = sd[tok] * w.to(sd[tok].dtype)
-                if tables[stack.side] is not None:
-                    tables[stack.side] = tables[stack.side] * w.to(tables[stack.side].dtype)
-                    position_kinds[stack.side] = "learned"
-            for key in inputs:
-                _divide_inputs(sd, lp + key, w)
-
-    unshared = vector and not any(s.layernorm_embedding for s in layout.stacks())
-    if unshared:
-        # the output projection keeps the original table (fairseq saves a tied
-        # output_projection.weight under its own key; an untied one is its own anyway)
-        state_dict_out = state_dict.get("decoder.output_projection.weight")
-        if state_dict_out is None:
-            state_dict_out = state_dict["decoder.embed_tokens.weight"]
-        sd["decoder.output_projection.weight"] = state_dict_out.detach().clone()
-        folds.append("shortcut weights w folded into the LayerNorms before them, the token "
-                     "tables (one per side) and positions, 1/w into q/k/v/fc1 (exact)")
-    elif vector:
-        folds.append("shortcut weights w folded into the LayerNorms before them and "
-                     "layernorm_embedding, 1/w into q/k/v/fc1 (exact)")
-
-    # one side without positions while the other has them: a zero learned table
-    if "none" in position_kinds.values() and (
-            none_as_zero_table or set(position_kinds.values()) != {"none"}):
-        for stack in layout.stacks():
-            if position_kinds[stack.side] == "none":
-                rows = stack.max_positions + stack.padding_idx + 1
-                tables[stack.side] = torch.zeros(
-                    rows, stack.embed_dim, dtype=sd[f"{stack.side}.embed_tokens.weight"].dtype)
-                position_kinds[stack.side] = "learned"
-                folds.append(f"{stack.side} positions none -> an all-zero learned table")
-    for stack in layout.stacks():
-        key = f"{stack.side}.embed_positions.weight"
-        if position_kinds[stack.side] == "learned":
-            sd[key] = tables[stack.side].detach().clone().contiguous()
-        if stack.positions == "scaled-sinusoidal" and not vector:
-            folds.append(f"{stack.side} scaled-sinusoid positions -> learned table "
-                         "(table x scale)")
-
-    if any(kind == "alpha" for rows in weights.values() for _, kind, *_ in rows):
-        folds.append("ReZero's a folded into out_proj/fc2 (exact)")
-    if eps_scales:
-        ws = sorted(eps_scales.values())
-        folds.append(f"scalar omega 1/w folded into out_proj/fc2 of {len(ws)} sub-layers "
-                     f"(w in [{ws[0]:.4g}, {ws[-1]:.4g}]; exact up to the LayerNorm eps, "
-                     "fairseq_admin_pos.export.fold section 2)")
-    return FoldResult(state_dict=sd, positions=position_kinds, unshared=unshared,
+    unshared = _keep_output_projection(sd, state_dict, layout, vector, folds)
+    _store_positions(sd, layout, positions, none_as_zero_table, vector, folds)
+    folds += _scalar_summary(every, eps_scales)
+    return FoldResult(state_dict=sd, positions=positions.kinds, unshared=unshared,
                       eps_scales=eps_scales, folds=folds)

@@ -17,6 +17,8 @@ import functools
 
 import numpy as np
 
+from fairseq_admin_pos.fairseq_fixes import patches
+
 
 def _complete(batch_by_size):
     @functools.wraps(batch_by_size)
@@ -40,14 +42,10 @@ def _complete(batch_by_size):
             batches.append(missing[start:start + step])
         return batches
 
-    wrapper.__admin_complete__ = True
     return wrapper
 
 
 def install() -> None:
-    """Wrap ``fairseq.data.data_utils.batch_by_size`` once (idempotent)."""
-    # imported here: importing this module must not import fairseq (see cli_help.install)
-    from fairseq.data import data_utils
-
-    if not getattr(data_utils.batch_by_size, "__admin_complete__", False):
-        data_utils.batch_by_size = _complete(data_utils.batch_by_size)
+    """Wrap ``fairseq.data.data_utils.batch_by_size`` once (idempotent; listed in
+    :mod:`.patches`, which imports fairseq only now)."""
+    patches.wrap("fairseq.data.data_utils.batch_by_size", _complete)

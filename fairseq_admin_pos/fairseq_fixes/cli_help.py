@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import sys
 
+from fairseq_admin_pos.fairseq_fixes import patches
+
 HELP_FLAGS = ("-h", "--help")
 
 
@@ -33,15 +35,11 @@ def _full_help(parse_args_and_arch):
         parser.print_help()
         parser.exit()
 
-    wrapper.__admin_full_help__ = True
     return wrapper
 
 
 def install() -> None:
-    """Wrap ``fairseq.options.parse_args_and_arch`` once (idempotent)."""
-    # imported here, not at the top: importing this module must not import fairseq (the
-    # package registers itself when fairseq's import finishes, see fairseq_admin_pos.register)
-    from fairseq import options
-
-    if not getattr(options.parse_args_and_arch, "__admin_full_help__", False):
-        options.parse_args_and_arch = _full_help(options.parse_args_and_arch)
+    """Wrap ``fairseq.options.parse_args_and_arch`` once (idempotent; listed in
+    :mod:`.patches`). fairseq is imported only now, not when this module is: the package
+    registers itself when fairseq's import finishes (see fairseq_admin_pos.register)."""
+    patches.wrap("fairseq.options.parse_args_and_arch", _full_help)

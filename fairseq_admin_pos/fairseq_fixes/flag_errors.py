@@ -54,6 +54,7 @@ import sys
 from typing import Callable, Dict, Optional
 
 from fairseq_admin_pos.errors import AdminFlagError, AdminUserError, user_error_names
+from fairseq_admin_pos.fairseq_fixes import patches
 
 __all__ = ["AdminFlagError", "AdminUserError", "find_flag_error", "prog_name", "preflight",
            "install"]
@@ -187,7 +188,6 @@ def _wrap_verify_checkpoint_directory(verify):
         if created is not None:
             _CREATED_SAVE_DIRS.append(created)
 
-    wrapper.__admin_flag_errors__ = True
     return wrapper
 
 
@@ -216,7 +216,6 @@ def _wrap_call_main(call_main):
                 raise err from None
             raise
 
-    wrapper.__admin_flag_errors__ = True
     return wrapper
 
 
@@ -231,33 +230,23 @@ def _wrap_hydra_predicate(is_under_debugger):
             return True
         return is_under_debugger()
 
-    wrapper.__admin_flag_errors__ = True
     return wrapper
 
 
 def install(preflight_checks: Optional[Dict[type, Callable]] = None) -> None:
     """Wrap ``fairseq.distributed.utils.call_main`` and
     ``fairseq.checkpoint_utils.verify_checkpoint_directory``, chain ``sys.excepthook`` and,
-    when hydra is loaded, let a flag error through its ``run_and_report`` (all once).
+    when hydra is loaded, let a flag error through its ``run_and_report`` (all once; listed
+    in :mod:`.patches`, which imports fairseq only now).
 
     ``preflight_checks`` maps a model class to the function that checks its flags on an
     args namespace (raising :class:`AdminFlagError`); :func:`preflight` runs it for that
     class and its subclasses."""
     _PREFLIGHT_CHECKS.update(preflight_checks or {})
-    # imported here: importing this module must not import fairseq
-    from fairseq import checkpoint_utils
-    from fairseq.distributed import utils as distributed_utils
-
-    if not getattr(distributed_utils.call_main, "__admin_flag_errors__", False):
-        distributed_utils.call_main = _wrap_call_main(distributed_utils.call_main)
-    verify = checkpoint_utils.verify_checkpoint_directory
-    if not getattr(verify, "__admin_flag_errors__", False):
-        checkpoint_utils.verify_checkpoint_directory = _wrap_verify_checkpoint_directory(verify)
-    if not getattr(sys.excepthook, "__admin_flag_errors__", False):
-        hook = functools.partial(_excepthook, sys.excepthook)
-        hook.__admin_flag_errors__ = True
-        sys.excepthook = hook
-    hydra_utils = sys.modules.get("hydra._internal.utils")
-    predicate = getattr(hydra_utils, "is_under_debugger", None)
-    if predicate is not None and not getattr(predicate, "__admin_flag_errors__", False):
-        hydra_utils.is_under_debugger = _wrap_hydra_predicate(predicate)
+    patches.wrap("fairseq.distributed.utils.call_main", _wrap_call_main)
+    patches.wrap("fairseq.checkpoint_utils.verify_checkpoint_directory",
+                 _wrap_verify_checkpoint_directory)
+    patches.wrap("sys.excepthook", lambda previous: functools.partial(_excepthook, previous))
+    # hydra's internals: left alone when missing (tests/test_fairseq_patches.py names them)
+    if getattr(sys.modules.get("hydra._internal.utils"), "is_under_debugger", None) is not None:
+        patches.wrap("hydra._internal.utils.is_under_debugger", _wrap_hydra_predicate)

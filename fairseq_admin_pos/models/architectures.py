@@ -1,8 +1,9 @@
 """The registered ``admin_transformer`` architectures: published sizes and depths.
 
 ``--arch admin_transformer`` itself is Transformer base with the plugin's defaults
-(:func:`fairseq_admin_pos.models.flags.admin_base_architecture`); the others set sizes and
-depths first, each a flag the command line can still override.
+(:func:`fairseq_admin_pos.models.flags.admin_base_architecture`: the recommended Admin, the
+scheme called ``admin`` in :mod:`fairseq_admin_pos.scheme_flags`); the others set sizes and
+depths first, each a flag the command line can still override, and keep those defaults.
 """
 from __future__ import annotations
 

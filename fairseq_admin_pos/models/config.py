@@ -5,7 +5,7 @@
 was not given with ``getattr(args, name, default)``. ``fairseq-hydra-train`` gives the model
 the config file's ``model:`` section as a ``DictConfig``. fairseq runs the ``_name``
 architecture function on it (with omegaconf >= 2.1 ``getattr`` defaults work on a
-``DictConfig``; the pinned omegaconf 2.0 of fairseq issue #4675 returned ``None``), but then
+``DictConfig``; the pinned omegaconf 2.0 of fairseq#4675 on GitHub returned ``None``), but then
 ``TransformerConfig.from_namespace`` copies only stock Transformer fields out of a
 ``DictConfig``: every plugin setting is lost and building the model stops with
 ``AttributeError: invalid argument admin_init.``

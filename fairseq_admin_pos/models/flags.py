@@ -1,8 +1,11 @@
 """The flags of ``admin_transformer`` and their checks (fairseq glue, no model code).
 
-* :func:`add_args`: the plugin's flags and their help text;
+* :func:`add_args`: the plugin's flags and their help text, one group per step
+  (:func:`add_residual_args`, :func:`add_norm_args`, :func:`add_position_args`, the
+  profiling flags, :func:`add_compile_args`); ``docs/usage.md`` has each flag in full;
 * :func:`admin_base_architecture`: their defaults (the ``admin_transformer`` architecture;
-  the plugin's flags have no argparse default, so None means "not given");
+  the plugin's flags have no argparse default, so None means "not given"), the recommended
+  Admin: closed-form omegas, each a trainable vector (:func:`omega_applies`);
 * :func:`check_flags`: every check of a value or a combination, raising
   :class:`~fairseq_admin_pos.errors.AdminFlagError` with one line naming the flags and the
   valid choices (fairseq's tools print it as ``<prog>: error: ...``, exit status 2);
@@ -380,127 +383,95 @@ def check_flags(args) -> None:
     check_compile_flags(args)
 
 
+#: where every flag is described in full (the help texts are one or two lines)
+FLAGS_DOC = "docs/usage.md#flags"
+
+
 def add_args(parser) -> None:
     """The plugin's flags (``--admin-*``, ``--*-pos-emb``, ``--pos-emb-*``,
     ``--admin-profile-*``), added to fairseq's model-specific group; none has an argparse
-    default, so None means "not given" (:func:`admin_base_architecture` fills them in)."""
-    group = parser
-    group.add_argument(
-        "--admin-residual",
-        choices=RESIDUAL_SCHEMES,
-        help="residual scheme of every sub-layer: admin = LN(x * omega + f(x)) (Liu et al. "
-        "2020, see --admin-init); deepnorm = LN(alpha * x + f(x)) with DeepNet's alpha and "
-        "beta-scaled init (Wang et al. 2022, arXiv 2203.00555); rezero = x + a * f(x), a "
-        "a trainable scalar from 0, no LayerNorm (Bachlechner et al. 2020, arXiv "
-        "2003.04887); rezero-post-ln = LN(x + a * f(x)); b2t = Post-LN plus the layer "
-        "input added into each layer's last LN, LN(h + f(h) + x), Linear weights x "
-        "N^-1/2 (Takase et al. 2023, B2T connection, Findings of ACL); resi-dual = "
-        "Post-LN stream LN(x + f(x)) plus the dual sum d + f(x), stack output "
-        "x_N + LN(d_N) (Xie et al. 2023, ResiDual, arXiv 2304.14802); peri-ln = x + "
-        "dropout(LN(f(LN(x)))), a LayerNorm on each sub-layer's input and output and a "
-        "final one per stack (Kim et al. 2025, Peri-LN, arXiv 2502.02732); mix-ln = Post-LN "
-        "in the first floor(alpha L) layers of each stack, Pre-LN above (--mix-ln-alpha; Li "
-        "et al. 2025, Mix-LN, arXiv 2412.13795). The rivals of admin take no "
-        "--admin-init/--admin-omega and no Pre-LN (peri-ln and mix-ln set every layer's "
-        "placement themselves). Default: admin",
+    default, so None means "not given" (:func:`admin_base_architecture` fills them in).
+    Their help texts here are one or two lines; ``docs/usage.md`` describes each flag in
+    full."""
+    add_residual_args(parser)
+    add_norm_args(parser)
+    add_position_args(parser)
+    admin_profile.add_profile_args(parser)
+    add_compile_args(parser)
+
+
+def add_residual_args(parser) -> None:
+    """The residual scheme and Admin's omegas: ``--admin-residual``, ``--admin-init``,
+    ``--admin-output-change-scale``, ``--admin-omega``."""
+    parser.add_argument(
+        "--admin-residual", choices=RESIDUAL_SCHEMES,
+        help="residual scheme of every sub-layer: admin = LN(x * omega + f(x)), or one of its "
+        "rivals (formulas and papers: docs/schemes.md). Default: admin",
     )
-    group.add_argument(
-        "--admin-init",
-        choices=ADMIN_INIT_CHOICES,
-        help="how each residual sub-layer's omega in LN(x * omega + f(x)) is initialised: "
-        "closed-form = sqrt of admin-torch's calculate_init(N) with N the residual "
-        "sub-layers of that stack (2 per encoder layer, 3 per decoder layer); "
-        "profile = Admin's profiling (Liu et al. 2020): omegas from the output variances "
-        "measured on the first training batch(es) before the first update, in the same "
-        "fairseq-train command (see --admin-profile-*); "
-        "none = omega 1 (stock Post-LN, or Pre-LN with --*-normalize-before). "
-        "Default: closed-form",
+    parser.add_argument(
+        "--admin-init", choices=ADMIN_INIT_CHOICES,
+        help="Admin's omega: closed-form (from the stack's depth), profile (measured on the "
+        "first batch: --admin-profile-*) or none (omega 1: Post-LN/Pre-LN). Default: "
+        "closed-form",
     )
-    group.add_argument(
-        "--admin-output-change-scale",
-        choices=OUTPUT_CHANGE_SCALES,
-        help="output change at initialisation targeted by --admin-init closed-form: "
-        "O(logn): omega^2 = (N+1)/ln(N+1) - 1; O(1): omega^2 = N; O(n): omega^2 = 1. "
-        "Default: O(logn)",
+    parser.add_argument(
+        "--admin-output-change-scale", choices=OUTPUT_CHANGE_SCALES,
+        help="--admin-init closed-form: omega^2 = (N+1)/ln(N+1) - 1 (O(logn)), N (O(1)) or "
+        "1 (O(n)), N the stack's residual sub-layers. Default: O(logn)",
     )
-    group.add_argument(
-        "--admin-omega",
-        choices=OMEGA_FORMS,
-        help="buffer: omega is one fixed scalar per sub-layer; parameter: a trainable "
-        "vector of size embed_dim per sub-layer (Transformer-Clinic). Default: buffer",
+    parser.add_argument(
+        "--admin-omega", choices=OMEGA_FORMS,
+        help="parameter = a trainable vector per sub-layer; buffer = a fixed scalar. Default: "
+        "parameter with --admin-init closed-form/profile, else buffer",
     )
-    group.add_argument(
-        "--mix-ln-alpha",
-        type=float,
-        metavar="ALPHA",
-        help="--admin-residual mix-ln only: the fraction of each stack's layers that are "
-        "Post-LN, counted from the bottom: layer l < floor(alpha L) is Post-LN, the rest "
-        "Pre-LN, and the stack ends with a LayerNorm unless every layer is Post-LN (0 = "
-        "exactly Pre-LN, 1 = exactly Post-LN). A number in [0, 1]; refused with any other "
-        "scheme. Default: 0.25 (the paper's)",
+
+
+def add_norm_args(parser) -> None:
+    """The normalisation: ``--mix-ln-alpha``, ``--admin-norm``, ``--dyt-alpha-init``."""
+    parser.add_argument(
+        "--mix-ln-alpha", type=float, metavar="ALPHA",
+        help="--admin-residual mix-ln only: the fraction of each stack's layers (from the "
+        "bottom) that are Post-LN, in [0, 1]. Default: 0.25",
     )
-    group.add_argument(
-        "--admin-norm",
-        choices=NORM_CHOICES,
-        help="the normalisation module, wherever the placement puts one (every sub-layer, "
-        "Peri-LN's output ones, the stacks' final ones, --layernorm-embedding): layernorm = "
-        "fairseq's LayerNorm; dyt = DyT, g * tanh(alpha x) + b with one trainable alpha "
-        "per module (Zhu et al. 2025, Transformers without Normalization, arXiv "
-        "2503.10622). dyt works with Post-LN and Pre-LN (--admin-init none), peri-ln and "
-        "mix-ln; refused with Admin's omegas (--admin-init closed-form or profile: they "
-        "give back what a LayerNorm divides out, which DyT does not) and with deepnorm, "
-        "rezero, rezero-post-ln, b2t and resi-dual (their constants or stack outputs are "
-        "derived for LayerNorm). Not exportable to a stock transformer. Default: layernorm",
+    parser.add_argument(
+        "--admin-norm", choices=NORM_CHOICES,
+        help="the normalisation module: layernorm, or dyt = g * tanh(alpha x) + b (with "
+        f"Post-LN, Pre-LN, peri-ln, mix-ln only; see {FLAGS_DOC}). Default: layernorm",
     )
-    group.add_argument(
-        "--dyt-alpha-init",
-        type=float,
-        metavar="FLOAT",
-        help="--admin-norm dyt only: the initial alpha of every DyT, a positive finite "
-        "number; refused without --admin-norm dyt. Default: 0.5 (the paper's alpha_0 for "
-        "non-LLM models)",
+    parser.add_argument(
+        "--dyt-alpha-init", type=float, metavar="FLOAT",
+        help="--admin-norm dyt only: the initial alpha of every DyT, a positive number. "
+        "Default: 0.5",
     )
+
+
+def add_position_args(parser) -> None:
+    """The absolute positions: ``--{encoder,decoder}-pos-emb``, ``--pos-emb-scaled-table``,
+    ``--pos-emb-scale-init``."""
     for side in ("encoder", "decoder"):
-        group.add_argument(
-            f"--{side}-pos-emb",
-            choices=POS_EMB_CHOICES,
-            help=f"{side} absolute positions: sinusoidal = fairseq's table; "
-            "scaled-sinusoidal = a sinusoid table (--pos-emb-scaled-table) times a "
-            "learnable scalar (--pos-emb-scale-init) (FLASH, arXiv 2202.10447); "
-            "learned = fairseq's learned table; "
-            f"none = no positions. Default: from --{side}-learned-pos / "
-            "--no-token-positional-embeddings, else sinusoidal",
+        parser.add_argument(
+            f"--{side}-pos-emb", choices=POS_EMB_CHOICES,
+            help=f"{side} absolute positions (see {FLAGS_DOC}). Default: from "
+            f"--{side}-learned-pos / --no-token-positional-embeddings, else sinusoidal",
         )
-    group.add_argument(
-        "--pos-emb-scaled-table",
-        choices=tuple(SCALED_TABLES),
-        help="table of scaled-sinusoidal positions (both sides): interleaved = Vaswani's "
-        "sin/cos pairs of one frequency in adjacent columns, exponent 2*floor(i/2)/d; "
-        "seed = the seed module's table, exponent 2*i/d per column; fairseq = exactly "
-        "the sinusoidal choice's table ([sin | cos] halves, spacing ln(10000)/(d/2 - 1)). "
-        "Only with --encoder-pos-emb/--decoder-pos-emb scaled-sinusoidal. "
-        "Default: interleaved",
+    parser.add_argument(
+        "--pos-emb-scaled-table", choices=tuple(SCALED_TABLES),
+        help="the sinusoid table of scaled-sinusoidal positions (both sides; see "
+        f"{FLAGS_DOC}). Default: interleaved",
     )
-    group.add_argument(
-        "--pos-emb-scale-init",
-        type=float,
-        metavar="FLOAT",
-        help="initial value of the learnable scalar of scaled-sinusoidal positions (both "
-        "sides). fairseq multiplies tokens by sqrt(d), so 1/sqrt(d) starts positions "
-        "about sqrt(d) times weaker than fairseq's sinusoid; 1 with "
-        "--pos-emb-scaled-table fairseq starts exactly at the sinusoidal model. "
-        "Default: 1/sqrt(d), the seed's",
+    parser.add_argument(
+        "--pos-emb-scale-init", type=float, metavar="FLOAT",
+        help="initial value of the learnable scale of scaled-sinusoidal positions (both "
+        "sides). Default: 1/sqrt(d)",
     )
-    admin_profile.add_profile_args(group)
-    group.add_argument(
-        "--admin-compile",
-        choices=speed_compile.COMPILE_CHOICES,
-        help="none = eager PyTorch; layers = compile every layer's training forward and "
-        "backward with torch.compile (TorchInductor, dynamic shapes), same module tree "
-        "and checkpoints, dropout's random numbers as in eager mode, results equal up to "
-        "float rounding; the first update pays the compilation. Validation and generation "
-        "stay eager. Experimental: on a CPU it measured slower than eager (docs/speed.md), "
-        "on a GPU it is not measured yet. Not with --checkpoint-activations. Default: none",
+
+
+def add_compile_args(parser) -> None:
+    """``--admin-compile``."""
+    parser.add_argument(
+        "--admin-compile", choices=speed_compile.COMPILE_CHOICES,
+        help="layers = compile each layer's training forward and backward with torch.compile "
+        "(experimental: docs/speed.md); none = eager. Default: none",
     )
 
 
@@ -510,13 +481,21 @@ def _default(args, name, value):
         setattr(args, name, value)
 
 
+def omega_applies(args) -> bool:
+    """Whether the model has Admin's omegas: the admin residual with a closed-form or
+    profiled initialisation (not omega 1, not a rival's own shortcut weight)."""
+    return args.admin_residual == "admin" and args.admin_init in ("closed-form", "profile")
+
+
 def admin_base_architecture(args):
-    """Transformer base (512/2048/8 heads, 6L-6L) with Admin closed-form O(logn) omegas."""
+    """Transformer base (512/2048/8 heads, 6L-6L) with the recommended Admin: closed-form
+    O(logn) omegas, each a trainable vector. Where Admin's omega does not apply (``--admin-init
+    none``, the rivals) it stays the fixed omega 1 buffer, so Post-LN is stock fairseq."""
     _default(args, "admin_residual", "admin")
     # the rivals set their own shortcut weights: Admin's omega stays 1 for them
     _default(args, "admin_init", "closed-form" if args.admin_residual == "admin" else "none")
     _default(args, "admin_output_change_scale", "O(logn)")
-    _default(args, "admin_omega", "buffer")
+    _default(args, "admin_omega", "parameter" if omega_applies(args) else "buffer")
     _default(args, "admin_norm", "layernorm")
     _default(args, "admin_compile", "none")
     base_architecture(args)

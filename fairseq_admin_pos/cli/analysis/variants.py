@@ -1,6 +1,6 @@
-"""The model families ``fairseq-admin-analyze`` compares: :data:`VARIANTS` maps a name to its
-extra ``admin_transformer`` flags and an optional ``prepare(model, net_input)`` run after
-building (Admin's profiling, :func:`profile_admin`)."""
+"""The model families ``fairseq-admin-analyze`` compares: :data:`VARIANTS` maps a scheme name
+of :mod:`fairseq_admin_pos.scheme_flags` to its ``admin_transformer`` flags and an optional
+``prepare(model, net_input)`` run after building (Admin's profiling, :func:`profile_admin`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +8,9 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
+import fairseq  # noqa: F401  (the plugin registers first: its model modules import fairseq)
 from fairseq_admin_pos.models import admin_profile
+from fairseq_admin_pos.scheme_flags import TABLE
 
 
 def profile_admin(model, net_input, seed: int = 1) -> None:
@@ -32,42 +34,25 @@ class Variant:
     prepare: Optional[Callable] = field(default=None, compare=False)
 
 
-#: name -> variant; a new residual scheme is one more entry with its admin_transformer flags.
+#: the schemes whose omegas are profiled: their ``prepare`` profiles on the analysis batch
+PROFILED = ("admin-paper", "admin-profile")
+
+#: the table's schemes the tool compares (``post-ln-paper``, ``pre-ln-paper`` and ``kasai``
+#: differ from ``post-ln`` / ``pre-ln`` in their training only)
+NAMES = ("post-ln", "pre-ln", "admin", "admin-paper", "admin-profile", "deepnorm", "rezero",
+         "rezero-post-ln", "b2t", "resi-dual", "peri-ln", "mix-ln", "post-ln-dyt", "pre-ln-dyt",
+         "peri-ln-dyt", "mix-ln-dyt")
+
+#: name -> variant, from :data:`fairseq_admin_pos.scheme_flags.TABLE` (the model flags of
+#: the scheme of that name; its optimizer does not matter at initialisation). A new scheme
+#: is one more entry there. ``admin-paper`` profiles as Transformer-Clinic (a training-mode
+#: pass with the dropout masks of one step); ``admin-profile`` takes eval-mode statistics,
+#: a dropout-free pass whose omegas are comparable across depths (docs/analysis.md).
 VARIANTS: Dict[str, Variant] = {
-    "post-ln": Variant("Post-LN", ("--admin-init", "none")),
-    "pre-ln": Variant(
-        "Pre-LN",
-        ("--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before"),
-    ),
-    "admin-closed-form": Variant(
-        "Admin closed-form O(log N)",
-        ("--admin-init", "closed-form", "--admin-output-change-scale", "O(logn)"),
-    ),
-    # eval-mode statistics: the omegas of a dropout-free pass, comparable across depths (the
-    # default clinic mode adds the dropout masks of one step; see fairseq_admin_pos.profiling)
-    "admin-profile": Variant("Admin profiled (eval mode)",
-                             ("--admin-init", "profile", "--admin-profile-mode", "eval"),
-                             prepare=profile_admin),
-    # the rivals (fairseq_admin_pos.schemes)
-    "deepnorm": Variant("DeepNorm", ("--admin-residual", "deepnorm")),
-    "rezero": Variant("ReZero (no LN)", ("--admin-residual", "rezero")),
-    "rezero-post-ln": Variant("ReZero Post-LN", ("--admin-residual", "rezero-post-ln")),
-    "b2t": Variant("B2T connection", ("--admin-residual", "b2t")),
-    "resi-dual": Variant("ResiDual", ("--admin-residual", "resi-dual")),
-    # the LayerNorm placements of issue 39 (fairseq_admin_pos.placements) and DyT in place of
-    # LayerNorm (fairseq_admin_pos.norms); Admin's omegas are not defined with DyT
-    "peri-ln": Variant("Peri-LN", ("--admin-residual", "peri-ln")),
-    "mix-ln": Variant("Mix-LN (alpha 0.25)", ("--admin-residual", "mix-ln")),
-    "post-ln-dyt": Variant("Post-LN, DyT", ("--admin-init", "none", "--admin-norm", "dyt")),
-    "pre-ln-dyt": Variant(
-        "Pre-LN, DyT",
-        ("--admin-init", "none", "--encoder-normalize-before", "--decoder-normalize-before",
-         "--admin-norm", "dyt"),
-    ),
-    "peri-ln-dyt": Variant("Peri-LN, DyT", ("--admin-residual", "peri-ln", "--admin-norm", "dyt")),
-    "mix-ln-dyt": Variant("Mix-LN (alpha 0.25), DyT",
-                          ("--admin-residual", "mix-ln", "--admin-norm", "dyt")),
+    name: Variant(TABLE[name].label, TABLE[name].model,
+                  prepare=profile_admin if name in PROFILED else None)
+    for name in NAMES
 }
 
 #: what ``--variants`` runs when not given
-DEFAULT_VARIANTS = ("post-ln", "pre-ln", "admin-closed-form", "admin-profile")
+DEFAULT_VARIANTS = ("post-ln", "pre-ln", "admin", "admin-profile")
