@@ -5,7 +5,7 @@ Every variant has the same sizes and trains on the same batches through fairseq'
 
 * ``stock``: fairseq's ``transformer``, fairseq's own code;
 * ``admin``: Admin closed-form omegas as trainable vectors (``--admin-omega parameter``,
-  Admin's most expensive setting); ``admin-buffer``: the default fixed scalar omegas;
+  Admin's most expensive setting); ``admin-buffer``: fixed scalar omegas (``--admin-omega buffer``);
 * ``b2t``: B2T connection (Takase et al. 2023); ``resi-dual``: ResiDual (Xie et al. 2023);
 * ``pre-ln``, ``peri-ln``, ``mix-ln``: the LayerNorm placements (Pre-LN, Peri-LN, Mix-LN),
   ``pre-ln-dyt``: Pre-LN with DyT in place of every LayerNorm (not in the default

@@ -134,7 +134,7 @@ def test_variant_trains_admin_papers_recipe(grid, variant):
     command = grid["rows"][variant]["train_command"]
     assert command.startswith(paper.split(" --save-dir ")[0] + " --save-dir ")
     assert command.endswith(f"--admin-profile-path OUT/runs/{variant}_2L-2L_seed1_4upd_d16_"
-                            "lr0.002_wu2_mt600_v60/omegas.json")
+                            "lr0.002_wu2_mt600_v60_ve2/omegas.json")
 
 
 @pytest.mark.parametrize("enc,dec", [(24, 3), (12, 12)])

@@ -35,7 +35,8 @@ ALL_VARIANTS = {
     "stock": ["--arch", "transformer"],
     # Admin's most expensive setting: a trainable omega vector per sub-layer
     "admin": ADMIN,
-    "admin-buffer": ["--arch", "admin_transformer", "--admin-init", "closed-form"],
+    "admin-buffer": ["--arch", "admin_transformer", "--admin-init", "closed-form",
+                     "--admin-omega", "buffer"],
     "b2t": ["--arch", "admin_transformer", "--admin-residual", "b2t"],
     "resi-dual": ["--arch", "admin_transformer", "--admin-residual", "resi-dual"],
     # the LayerNorm placements and DyT in place of LayerNorm (Pre-LN beside it, the

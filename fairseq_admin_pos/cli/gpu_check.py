@@ -19,7 +19,7 @@ Steps, each with its own time limit inside the budget (``--budget``, 360 s):
    the GPU memory holds them, 20 GiB each: all three on an 80 GiB card):
    * the CUDA-only tests (pytest ``-m cuda``, the files that carry the marker);
    * ``examples/wmt14_en_de/train.sh SCHEME 18l_18l`` with ``PRECISION=fp16`` on one GPU for
-     the paper's Admin (``admin``), the closed form (``admin-closed-form``) and Post-LN
+     the paper's Admin (``admin-paper``), the closed form (``admin``) and Post-LN
      (``post-ln``), each trained for ``--train-seconds`` (40 s, fairseq's
      ``--stop-time-hours``), saved, then ``fairseq-generate`` on the test split and sacreBLEU
      against its references (a smoke run: with the recipe's 8000 warm-up updates nothing is

@@ -97,34 +97,24 @@ def add_profile_args(parser) -> None:
     """The ``--admin-profile-*`` flags (used only with ``--admin-init profile``)."""
     parser.add_argument(
         "--admin-profile-mode", choices=PROFILE_MODES,
-        help="--admin-init profile: which statistics set the omegas. clinic = "
-        "Transformer-Clinic's profiling exactly: a training-mode forward (dropout on), "
-        "variance over the whole tensor (padding included), each omega written into the "
-        "model as the pass reaches it; one batch per rank. eval = an eval-mode pass (no "
-        "dropout) with every omega 1, padding excluded unless "
-        "--admin-profile-include-padding; statistics add over batches "
-        "(--admin-profile-batches) and ranks. Default: clinic",
+        help="--admin-init profile: clinic = Transformer-Clinic's training-mode profile of one "
+        "batch; eval = an eval-mode pass, padding excluded (docs/initialisation.md). "
+        "Default: clinic",
     )
     parser.add_argument(
         "--admin-profile-batches", type=int, metavar="K",
-        help="--admin-init profile --admin-profile-mode eval: number of training batches "
-        "per rank whose statistics set the omegas (the first K batches of epoch 1; "
-        "statistics summed over batches and data-parallel ranks). The clinic mode takes "
-        "exactly 1. Default: 1",
+        help="--admin-profile-mode eval: the training batches per rank whose statistics set "
+        "the omegas. Default: 1",
     )
     parser.add_argument(
         "--admin-profile-path", metavar="FILE",
-        help="--admin-init profile: if FILE exists, read the omegas from it (this package's "
-        "JSON, or Transformer-Clinic's profile.ratio.init in clinic mode), checked against "
-        "the model's settings when the model is built; otherwise measure and write FILE "
-        "(rank 0, atomically, with the settings used). Default: no file",
+        help="--admin-init profile: read the omegas from FILE if it exists, else measure and "
+        "write it (docs/initialisation.md). Default: no file",
     )
     parser.add_argument(
         "--admin-profile-include-padding", action="store_true", default=None,
-        help="--admin-init profile --admin-profile-mode eval: count padded positions in the "
-        "variances, as Transformer-Clinic does (the clinic mode always counts them). "
-        "Default: off, because the amount of padding depends on the batching (max tokens, "
-        "GPU count), not on the data, and pads never reach the loss",
+        help="--admin-profile-mode eval: count padded positions in the variances, as "
+        "Transformer-Clinic does. Default: off (docs/initialisation.md)",
     )
 
 

@@ -20,7 +20,7 @@ from .environment import REPO
 from .processes import child_env, run_process
 
 #: the three schemes of the recipe smoke runs (examples/wmt14_en_de/train.sh)
-RECIPE_SCHEMES = ("admin", "admin-closed-form", "post-ln")
+RECIPE_SCHEMES = ("admin-paper", "admin", "post-ln")
 RECIPE_DEPTH = "18l_18l"
 
 
