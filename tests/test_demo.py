@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import sacrebleu
 
 from fairseq_cli_utils import MULTI30K_SPLITS as SPLITS, REPO, env, write_fake_multi30k
@@ -16,6 +17,7 @@ def run_demo(args, module="fairseq_admin_pos.cli.demo", **kw):
                           timeout=600, **kw)
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(tmp_path):
     write_fake_multi30k(tmp_path / "m30k")
     out = tmp_path / "out"

@@ -17,7 +17,7 @@ What stays the same, so that the compiled path is only faster:
   draws its masks with eager's generator calls, in eager's order (without it Inductor uses
   its own generator and the run would be a different random run, not the same one faster);
 * the arithmetic up to float rounding: fused kernels may contract or reorder operations.
-  ``tests/test_speed.py`` bounds the difference over 50 updates.
+  ``tests/test_compiled_layers.py`` bounds the difference over 50 updates.
 
 One compiled function per layer class is shared by every layer of that class (parameters
 are inputs to the graph, not constants), so an 18-layer stack compiles like a 1-layer one;
