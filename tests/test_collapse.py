@@ -12,7 +12,7 @@ from dispatch_utils import NoValueReads
 from fairseq_cli_utils import cos_by_matrix
 from fairseq_admin_pos import collapse
 from fairseq_admin_pos.collapse import collapse_warning, mean_pairwise_cosine, token_cosine
-from test_docs_links import anchors
+from markdown_utils import anchors
 
 ROOT = Path(__file__).resolve().parent.parent
 
