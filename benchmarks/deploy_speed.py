@@ -35,7 +35,8 @@ same run and key replaced, every other run's rows kept) and prints them as a mar
   checkpoint per cell of a depth-study plan through ``fairseq-generate --user-dir`` and the
   CTranslate2 export (float32, int8; plugin only where the export refuses the scheme), on
   test2016 at batch 64 and 1 with 1 and 2 threads (``deployspeed/cells.py``); CSV default
-  ``docs/deploy_speed_cells.csv``, which ``depth_study.py --publish docs`` reads;
+  ``docs/deploy_speed_cells.csv`` (``docs/deploy_speed_PLAN.csv`` for another ``--plan``), which
+  ``depth_study.py --publish docs`` reads;
 * ``--wmt-shapes``: untrained WMT-base shapes (d 512, FFN 2048, 8 heads, synthetic joined
   vocabulary of 32000 symbols; 6L-6L, 12L-3L, 12L-1L, 24L-1L) exported to CTranslate2 and
   timed with every output held to its reference's length (``deployspeed/shapes.py``); CSV
@@ -46,6 +47,7 @@ the CSV in the work folder) for the tests. The published tables' runs, one comma
 in docs/deployment.md ("Deployed speed of the depth study's cells"):
 
     python benchmarks/deploy_speed.py --study-out runs/depth_study --plan deep-shallow
+    python benchmarks/deploy_speed.py --study-out runs/depth_study --plan converged --threads 1
     python benchmarks/deploy_speed.py --wmt-shapes --text runs/depth_study/data/spm
 """
 from __future__ import annotations
@@ -62,6 +64,7 @@ from typing import Dict, List
 # the parts live in benchmarks/deployspeed/ (and the study's in benchmarks/depthstudy/)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from depthstudy.plan import PLANS  # noqa: E402
 from deployspeed.timing import (BEAM, LENPEN, MAX_LEN_A, MAX_LEN_B, REPO,  # noqa: E402,F401
                                 cpu_name, detok, fairseq_generate, markdown, merge_csv,
                                 parse_ints, run_id, tool)
@@ -135,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a depth study's output folder (results.csv, runs/*/ckpt, data); "
                    "repeat to search several in order (a cell's first run with a checkpoint "
                    "wins, timed with its own folder's data)")
-    g.add_argument("--plan", default="deep-shallow",
-                   help="the plan whose cells are timed (default deep-shallow)")
+    g.add_argument("--plan", default="deep-shallow", choices=sorted(PLANS), metavar="PLAN",
+                   help="the depth-study plan whose cells are timed (default deep-shallow; "
+                   "converged: the converged schedule's grid)")
     g.add_argument("--cells", default="",
                    help="only these cells, scheme:<enc>L-<dec>L comma list (cells outside the "
                    "plan are looked up with the plan's recipe)")
@@ -156,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batches", default="64,1",
                    help="batch sizes timed (default 64,1: sentences/s at 64, latency at 1)")
     g.add_argument("--csv", type=Path, default=None,
-                   help="the CSV this run is merged into (default docs/deploy_speed_cells.csv "
-                   "or docs/deploy_speed_shapes.csv; --quick: in the work folder)")
+                   help="the CSV this run is merged into (default docs/deploy_speed_cells.csv, "
+                   "docs/deploy_speed_PLAN.csv for another --plan, or docs/deploy_speed_shapes.csv;"
+                   " --quick: in the work folder)")
     g.add_argument("--run-label", default=None,
                    help="the run id's label after its UTC time (default cells or wmt-shapes)")
     g.add_argument("--quick", action="store_true",
@@ -270,8 +275,10 @@ def depth_main(args) -> None:
             raise SystemExit(f"--text {args.text}: no test.en / test.de (sentencepiece pieces "
                              "of test2016, e.g. a depth study's OUT/data/spm)")
     args.work.mkdir(parents=True, exist_ok=True)
+    # the deep-shallow plan's cells keep their historical file; another plan gets its own
+    name = kind if kind == "shapes" or args.plan == "deep-shallow" else args.plan
     csv_path = args.csv or (args.work if args.quick else REPO / "docs") / \
-        f"deploy_speed_{kind}.csv"
+        f"deploy_speed_{name}.csv"
     args.run = run_id(args.run_label or ("cells" if kind == "cells" else "wmt-shapes"))
     rows = mode.run(args)
     merged = merge_csv(csv_path, rows)

@@ -305,8 +305,10 @@ def main(argv=None):
     if args.publish is not None:
         publish(args.out, args.publish)
         page = args.publish / "depth_converged.md"
-        if page.is_file():  # the converged schedule's tables (depthstudy/converged.py)
-            converged.fill(page, rows, args.out, args.publish)
+        # the converged schedule's tables (depthstudy/converged.py) and the README's headline
+        for page in (page, args.publish.resolve().parent / "README.md"):
+            if page.is_file():
+                converged.fill(page, rows, args.out, args.publish)
     return 0
 
 

@@ -295,3 +295,30 @@ def test_run_label_is_checked(bench, study_out, tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--run-label", "x"])  # the demo's comparison has no runs
     assert "--run-label apply to --study-out and --wmt-shapes" in capsys.readouterr().err
+
+
+def test_converged_plan_times_the_grid_length_of_each_cell(bench, tmp_path):
+    """``--plan converged``: a cell's checkpoint is the run at the grid's length, not the
+    convergence check's longer (or shorter) run of the same configuration."""
+    from depthstudy.deepshallow import plan_args, plan_cells
+    from depthstudy.plan import CONVERGED_UPDATES, run_key
+    from depthstudy.report import write_rows
+    from deployspeed.cells import pick_checkpoints
+
+    assert {c[:2] for c in plan_cells("converged")} == {
+        (s, d) for s in ("admin", "pre-ln") for d in ("6L-6L", "12L-12L", "18L-18L", "12L-1L",
+                                                      "48L-1L")} | {
+        ("post-ln", d) for d in ("6L-6L", "12L-12L", "18L-18L")}
+    rows = []
+    for updates in sorted({CONVERGED_UPDATES, 2 * CONVERGED_UPDATES, CONVERGED_UPDATES // 2}):
+        args = plan_args("converged")
+        args.max_update = updates
+        key = run_key("admin", "6L-6L", 1, args)
+        (tmp_path / run_folder(key) / "ckpt").mkdir(parents=True)
+        (tmp_path / run_folder(key) / "ckpt" / "checkpoint_best.pt").write_bytes(b"x")
+        rows.append(dict(key=key, scheme="admin", positions="sinusoidal", depth="6L-6L",
+                         seed=1, status="trained", max_update=updates))
+    write_rows(tmp_path / "results.csv", rows)
+    picked, missing = pick_checkpoints([tmp_path], "converged", "admin:6L-6L,admin:12L-1L")
+    assert [p["row"]["max_update"] for p in picked] == [str(CONVERGED_UPDATES)]
+    assert [m[:2] for m in missing] == [("admin", "12L-1L")]

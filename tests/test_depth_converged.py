@@ -28,14 +28,18 @@ def page(tmp_path):
     docs.mkdir()
     text = "# t\n" + "".join(f"{converged.MARK.format(n, 'start')}\nold\n"
                              f"{converged.MARK.format(n, 'end')}\n"
-                             for n in ("check", "table", "nll", "collapse"))
+                             for n in ("check", "table", "nll", "collapse", "readme", "speed"))
     (docs / "depth_converged.md").write_text(text)
     rows = [_row("admin", "6L-6L", 1, 2400, 31.0), _row("admin", "6L-6L", 1, 4800, 31.8),
             _row("admin", "6L-6L", 2, 2400, 30.2), _row("pre-ln", "48L-1L", 1, 2400, 12.0),
             _row("admin", "48L-1L", 1, 2400, 1.5, status="stuck"),
             # another schedule: not part of the page
             _row("admin", "6L-6L", 3, 2400, 10.0, lr="0.002"),
-            _row("admin", "6L-6L", 3, 2400, 10.0, ve="")]
+            _row("admin", "6L-6L", 3, 2400, 10.0, ve=""),
+            # 18L-18L beyond 6L-6L's spread; 12L-1L within it; pre-ln 12L-1L one seed
+            _row("admin", "18L-18L", 1, 2400, 32.9), _row("admin", "18L-18L", 2, 2400, 32.1),
+            _row("admin", "12L-1L", 1, 2400, 30.1), _row("admin", "12L-1L", 2, 2400, 31.3),
+            _row("pre-ln", "12L-1L", 1, 2400, 29.0)]
     curves = {
         # validation nll rises after its best: over-fitting
         rows[0]["key"]: dict(train=[], valid=[dict(update=u, nll=n, loss=n, ppl=1) for u, n in
@@ -57,8 +61,38 @@ def page(tmp_path):
             path = out / r["curve_file"]
             path.parent.mkdir(parents=True)
             path.write_text(json.dumps(curves[r["key"]]))
+    _speed_csv(docs / converged.SPEED_CSV)
     converged.fill(docs / "depth_converged.md", rows, out, docs)
     return (docs / "depth_converged.md").read_text()
+
+
+SPEED = [  # scheme, shape, precision, batch, sentences/s, ms/sentence, ratio, BLEU, status
+    ("admin", "6L-6L", "int8", "64", "200.0", "5.0", "1.000", "31.00", "trained"),
+    ("admin", "6L-6L", "float32", "64", "120.0", "8.3", "1.000", "31.00", "trained"),
+    ("admin", "6L-6L", "int8", "1", "40.0", "25.0", "1.000", "31.00", "trained"),
+    ("admin", "12L-1L", "int8", "64", "380.0", "2.6", "1.900", "30.60", "trained"),
+    ("admin", "48L-1L", "int8", "64", "500.0", "2.0", "2.500", "1.50", "stuck"),
+    ("admin", "18L-18L", "int8", "64", "70.0", "14.3", "0.350", "32.90", "trained"),
+]
+
+
+def _speed_csv(path, run="20261207T0000Z-cells"):
+    import csv
+
+    fields = ["run", "scheme", "shape", "seed", "engine", "precision", "batch", "threads",
+              "sentences_per_s", "ms_per_sentence", "ratio_to_6l6l", "bleu", "train_status",
+              "cpu"]
+    rows = [dict(zip(fields, (r, s, d, "1", "CTranslate2", p, b, "1", sps, ms, ratio, bleu,
+                              status, "cpu x 2")))
+            for r in ("20261201T0000Z-cells", run)
+            for s, d, p, b, sps, ms, ratio, bleu, status in SPEED]
+    # an older run with other numbers, and a 2-thread row: neither is shown
+    rows[0]["sentences_per_s"] = "999.0"
+    rows.append(dict(rows[-1], threads="2", sentences_per_s="140.0"))
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
 
 
 def _block(text, name):
@@ -69,7 +103,7 @@ def _block(text, name):
 def test_check_gives_both_lengths_and_the_gain(page):
     line = next(l for l in _block(page, "check").splitlines() if l.startswith("| 6L-6L"))
     assert "| 31.00 | 31.80 | +0.80 |" in line
-    assert "18L-18L | not run yet | not run yet | - |" in _block(page, "check")
+    assert "| 18L-18L | 32.90 | not run yet | - | 3.100 / - |" in _block(page, "check")
 
 
 def test_table_cells_are_mean_and_sample_std_over_the_recipes_seeds(page):
@@ -80,7 +114,8 @@ def test_table_cells_are_mean_and_sample_std_over_the_recipes_seeds(page):
     assert cells[4] == "1.50 (n=1), 1 stuck"
     assert cells[1] == "not run yet; paper 28.58"
     assert "admin 6L-6L seed 2 (4800)" not in page  # not part of the plan
-    assert "admin 18L-18L seed 1 (2400)" in _block(page, "table")
+    assert "admin 18L-18L seed 1 (4800)" in _block(page, "table")
+    assert "admin 18L-18L seed 1 (2400)" not in _block(page, "table")
 
 
 def test_nll_block_tells_over_fitting_from_under_training(page):
@@ -94,3 +129,84 @@ def test_collapse_block_replays_the_monitor_warning(page):
     # whole logged intervals above 0.9 after the 2000-update warmup start at update 2010
     assert "| admin | 1 | 1.50 | 0.990 (2020) | 0.980 | 2010 |" in block
     assert "| pre-ln | 1 | 12.00 | 0.950 (1000) | 0.400 | not warned |" in block
+
+
+def test_readme_answers_follow_the_rule_on_the_cells(page):
+    block = _block(page, "readme")
+    a6, a18, a121 = [31.0, 30.2], [32.9, 32.1], [30.1, 31.3]
+    m = statistics.mean
+    spread = max(statistics.stdev(a6), statistics.stdev(a18))
+    assert 0.5 < m(a18) - m(a6) and spread < m(a18) - m(a6)
+    assert (f"admin 18L-18L {m(a18):.2f} (n=2) vs 6L-6L {m(a6):.2f} (n=2): "
+            f"{m(a18) - m(a6):+.2f}, higher beyond the seeds' spread (std {spread:.2f})."
+            in block)
+    spread = max(statistics.stdev(a6), statistics.stdev(a121))
+    assert abs(m(a121) - m(a6)) <= 0.5
+    assert (f"admin 12L-1L {m(a121):.2f} (n=2) vs 6L-6L {m(a6):.2f} (n=2): "
+            f"{m(a121) - m(a6):+.2f}, within the seeds' spread (std {spread:.2f})." in block)
+    assert "pre-ln 12L-1L vs 6L-6L: not measured yet." in block
+    assert "admin 48L-1L: 1 of 1 runs failed (BLEU 1.50)." in block
+    assert "pre-ln 48L-1L: 0 of 1 runs failed (BLEU 12.00)." in block
+    assert "admin 12L-12L vs 6L-6L: not measured yet." in block
+
+
+def test_one_seed_a_side_is_not_concluded():
+    rows = [_row("admin", "6L-6L", 1, 2400, 30.0), _row("admin", "18L-18L", 1, 2400, 35.0)]
+    text = converged.compare(rows[:1], rows[1:], "6L-6L", "admin 18L-18L")
+    assert text.endswith("(n=1): +5.00, not concluded (one seed)")
+
+
+def test_speed_block_shows_the_latest_runs_one_thread_rows(page):
+    block = _block(page, "speed")
+    assert "`20261207T0000Z-cells`" in block and "999.0" not in block and "140.0" not in block
+    line = next(l for l in block.splitlines() if l.startswith("| admin | 12L-1L"))
+    assert line == "| admin | 12L-1L | 1 | 30.60 | trained | 380.0 (x 1.900) | - | - |"
+    line = next(l for l in block.splitlines() if l.startswith("| admin | 6L-6L"))
+    assert line == "| admin | 6L-6L | 1 | 31.00 | trained | 200.0 (x 1.000) | 120.0 (x 1.000) | 25.0 |"
+    # best BLEU 32.90 (18L-18L); within 0.5 of it only 18L-18L itself; 48L-1L failed
+    assert ("Best BLEU: admin 18L-18L 32.90. Fastest within 0.5 BLEU of it (CTranslate2 int8, "
+            "batch 64): admin 18L-18L, 32.90 BLEU, 70.0 sentences/s.") in block
+
+
+def test_fastest_within_half_a_bleu_is_the_fastest_near_model():
+    rows = [dict(precision="int8", batch="64", train_status=s, bleu=b, sentences_per_s=v,
+                 scheme="admin", shape=d)
+            for d, b, v, s in (("6L-6L", "31.00", "200.0", "trained"),
+                               ("12L-1L", "30.60", "380.0", "trained"),
+                               ("24L-1L", "30.40", "450.0", "trained"),
+                               ("48L-1L", "1.00", "900.0", "stuck"))]
+    assert converged.fastest_line(rows).endswith("admin 12L-1L, 30.60 BLEU, 380.0 sentences/s.")
+
+
+def test_every_cell_trains_its_first_length_before_a_longer_one():
+    from depthstudy.plan import CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
+
+    grid = PLANS["converged"]
+    assert len(set(grid)) == len(grid)
+    first = CONVERGED_RECIPE["max_update"]
+    for i, item in enumerate(grid):
+        if item[4] > first:
+            assert item[:4] + (first,) in grid[:i]
+    cells = {(s, d) for s, d, seed, _, n in grid if n == CONVERGED_UPDATES}
+    assert len(cells) == 13 and all(
+        (s, d, seed, "sinusoidal", CONVERGED_UPDATES) in grid for s, d in cells for seed in (1, 2))
+
+
+def test_grid_length_agrees_with_the_published_check():
+    """CONVERGED_UPDATES is the check's verdict: twice the length once doubling added
+    0.5 BLEU or more to either shape (docs/depth_study_results.csv)."""
+    from depthstudy.plan import CONVERGED_RECIPE, CONVERGED_UPDATES
+    from depthstudy.report import read_rows
+
+    rows = converged.converged_rows(read_rows(REPO / "docs" / "depth_study_results.csv"))
+    n = CONVERGED_RECIPE["max_update"]
+    gains = []
+    for depth in ("6L-6L", "18L-18L"):
+        a, b = ([r for r in converged._cell(rows, "admin", depth, k) if r["seed"] == "1"]
+                for k in (n, 2 * n))
+        if a and b:
+            gains.append(float(b[0]["bleu"]) - float(a[0]["bleu"]))
+    if any(g >= converged.GAIN_BLEU for g in gains):
+        assert CONVERGED_UPDATES == 2 * n
+    elif len(gains) == 2:
+        assert CONVERGED_UPDATES == n

@@ -20,7 +20,9 @@ from markdown_utils import (EXTERNAL, FENCE, HEADING, INLINE_CODE, LINK,  # noqa
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
 README_MAX_LINES = 260
-README_MAX_WORDS = 1200
+#: a front door read in five minutes; the converged depth answers, written from the CSV, are
+#: about 150 of them
+README_MAX_WORDS = 1300
 README_MAX_LINE = 200
 README_MAX_CELL = 120
 RESULTS_MAX_WORDS = 10_000

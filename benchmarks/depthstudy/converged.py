@@ -14,11 +14,22 @@ rewritten by ``--publish`` (and ``--report-only --publish``) from the rows alone
   update of the best: a validation nll rising after its best while the training nll still
   falls is over-fitting; both still falling at the end is under-training;
 * ``collapse``: the 48L-1L runs' encoder token cosine course (the training monitor's
-  ``enc_tok_cos``) and the update the monitor's collapse warning fired at, if it did.
+  ``enc_tok_cos``) and the update the monitor's collapse warning fired at, if it did;
+* ``speed``: the deployed speed of the grid's models (``docs/deploy_speed_converged.csv``,
+  ``deploy_speed.py --plan converged``): CTranslate2 int8 and float32 at batch 64 and 1, one
+  thread, each ratio against the same timing run's 6L-6L, and the fastest model within
+  0.5 BLEU of the best;
+* ``readme``: the README's headline, the table and the three answers (:func:`answer_lines`).
+
+A difference of two cells is called one only when both have two seeds or more and it exceeds
+both 0.5 BLEU and the larger of the two cells' seed standard deviations; otherwise the answer
+says it is within the seeds' spread, or that the cells are not measured yet.
 """
 from __future__ import annotations
 
+import csv
 import json
+import statistics
 from pathlib import Path
 
 from .courses import course
@@ -148,7 +159,9 @@ def fill(page: Path, rows, out: Path, published: Path) -> None:
         return curve_path(out, r, published)
 
     blocks = {"check": check_lines(rows), "table": table_lines(rows) + ["", missing_line(rows)],
-              "nll": nll_lines(rows, curve_of), "collapse": collapse_lines(rows, curve_of)}
+              "nll": nll_lines(rows, curve_of), "collapse": collapse_lines(rows, curve_of),
+              "speed": speed_lines(read_speed(published / SPEED_CSV)),
+              "readme": table_lines(rows) + [""] + answer_lines(rows)}
     text = page.read_text()
     for name, lines in blocks.items():
         start, end = MARK.format(name, "start"), MARK.format(name, "end")
@@ -157,3 +170,108 @@ def fill(page: Path, rows, out: Path, published: Path) -> None:
             text = head + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1]
     page.write_text(text)
 
+
+
+# --------------------------------------------------------------------------- the answers
+def _bleus(rs):
+    return [x for x in (_num(r["bleu"]) for r in rs) if x is not None]
+
+
+def compare(base, other, base_name, other_name):
+    """One clause: ``other``'s mean BLEU against ``base``'s, with the rule of the module
+    docstring (two seeds each, beyond 0.5 BLEU and beyond the larger seed std)."""
+    a, b = _bleus(base), _bleus(other)
+    if not a or not b:
+        return f"{other_name} vs {base_name}: not measured yet"
+    diff = statistics.mean(b) - statistics.mean(a)
+    text = (f"{other_name} {statistics.mean(b):.2f} (n={len(b)}) vs {base_name} "
+            f"{statistics.mean(a):.2f} (n={len(a)}): {diff:+.2f}")
+    if min(len(a), len(b)) < 2:
+        return text + ", not concluded (one seed)"
+    spread = max(statistics.stdev(a), statistics.stdev(b))
+    if abs(diff) <= max(GAIN_BLEU, spread):
+        return text + f", within the seeds' spread (std {spread:.2f})"
+    return text + f", {'higher' if diff > 0 else 'lower'} beyond the seeds' spread " \
+                  f"(std {spread:.2f})"
+
+
+def _failed(rs):
+    bad = [r for r in rs if r["status"] != "trained"]
+    if not rs:
+        return "not run yet"
+    return f"{len(bad)} of {len(rs)} runs failed (BLEU {', '.join(r['bleu'] for r in rs)})"
+
+
+def answer_lines(rows, updates=CONVERGED_UPDATES):
+    """The three questions of the converged table, answered from ``rows`` alone."""
+    def cell(s, d):
+        return _cell(rows, s, d, updates)
+
+    def vs(s, base, other):
+        return f"  - {compare(cell(s, base), cell(s, other), base, f'{s} {other}')}."
+
+    return [f"At this schedule ({updates} updates), in BLEU; a difference counts when both cells "
+            f"have two seeds and it exceeds {GAIN_BLEU} and their larger std:", "",
+            f"- **Does depth pay?** Post-LN 12L-12L: {_failed(cell('post-ln', '12L-12L'))}.",
+            *(vs(s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")),
+            "- **Does 12L-1L match 6L-6L?**",
+            *(vs(s, "6L-6L", "12L-1L") for s in ("admin", "pre-ln")),
+            "- **Does Admin collapse at 48L-1L?**",
+            *(f"  - {s} 48L-1L: {_failed(cell(s, '48L-1L'))}." for s in ("admin", "pre-ln"))]
+
+
+# --------------------------------------------------------------------------- deployed speed
+#: the timing runs of the grid's models (``deploy_speed.py --plan converged``)
+SPEED_CSV = "deploy_speed_converged.csv"
+#: the fastest model is sought among those this close to the best BLEU
+WITHIN_BLEU = 0.5
+
+
+def read_speed(path: Path):
+    if not path.is_file():
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def speed_lines(speed_rows):
+    """The latest timing run's CTranslate2 rows at one thread: sentences/s at batch 64, ms per
+    sentence at batch 1, each with its ratio to the run's 6L-6L of the same scheme."""
+    rows = [r for r in speed_rows if r["engine"].startswith("CTranslate2") and r["threads"] == "1"]
+    if not rows:
+        return ["Not timed yet: `python benchmarks/deploy_speed.py --study-out runs/depth_study "
+                "--plan converged --threads 1` times the grid's models once they are trained."]
+    run = max(r["run"] for r in rows)
+    rows = [r for r in rows if r["run"] == run]
+    key = lambda r: (r["scheme"], r["shape"], r["precision"], r["batch"])  # noqa: E731
+    by = {key(r): r for r in rows}
+    lines = [f"Timing run `{run}` ({rows[0]['cpu']}, one thread, alone on the machine):", "",
+             "| scheme | shape | seed | BLEU | status | int8 sent/s (x 6L-6L) | float32 sent/s "
+             "(x 6L-6L) | int8 ms/sentence at batch 1 |", "|---|---|---|---|---|---|---|---|"]
+    cells = sorted({(r["scheme"], r["shape"]) for r in rows},
+                   key=lambda c: (SCHEMES.index(c[0]) if c[0] in SCHEMES else 9,
+                                  DEPTHS.index(c[1]) if c[1] in DEPTHS else 9))
+    for s, d in cells:
+        i8, f32, lat = (by.get((s, d, p, b)) for p, b in
+                        (("int8", "64"), ("float32", "64"), ("int8", "1")))
+        any_ = i8 or f32 or lat
+        fmt = lambda r: f"{r['sentences_per_s']} (x {r['ratio_to_6l6l'] or '-'})" \
+            if r else "-"  # noqa: E731
+        lines.append(f"| {s} | {d} | {any_['seed']} | {any_['bleu']} | {any_['train_status']} | "
+                     f"{fmt(i8)} | {fmt(f32)} | {lat['ms_per_sentence'] if lat else '-'} |")
+    lines += ["", fastest_line(rows)]
+    return lines
+
+
+def fastest_line(rows):
+    """The fastest trained model (int8, batch 64) within ``WITHIN_BLEU`` of the best BLEU."""
+    int8 = [r for r in rows if (r["precision"], r["batch"]) == ("int8", "64")
+            and r["train_status"] == "trained" and _num(r["bleu"]) is not None]
+    if not int8:
+        return "No trained model timed yet."
+    best = max(int8, key=lambda r: float(r["bleu"]))
+    near = [r for r in int8 if float(r["bleu"]) >= float(best["bleu"]) - WITHIN_BLEU]
+    fast = max(near, key=lambda r: float(r["sentences_per_s"]))
+    return (f"Best BLEU: {best['scheme']} {best['shape']} {best['bleu']}. Fastest within "
+            f"{WITHIN_BLEU} BLEU of it (CTranslate2 int8, batch 64): {fast['scheme']} "
+            f"{fast['shape']}, {fast['bleu']} BLEU, {fast['sentences_per_s']} sentences/s.")

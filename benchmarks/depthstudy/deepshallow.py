@@ -77,7 +77,7 @@ SHAPES = ("6L-6L", "12L-3L", "12L-1L", "24L-1L", "48L-1L")
 def plan_cells(plan: str):
     """``(scheme, depth, positions)`` of the plan, each once: shapes in the study's order,
     schemes in the plan's order."""
-    cells = list(dict.fromkeys((s, d, p) for s, d, _, p in PLANS[plan]))
+    cells = list(dict.fromkeys((s, d, p) for s, d, _, p, *_n in PLANS[plan]))
     schemes = list(dict.fromkeys(c[0] for c in cells))
     return sorted(cells, key=lambda c: (_shape_order(c[1]), schemes.index(c[0])))
 

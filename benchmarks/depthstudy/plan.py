@@ -271,9 +271,12 @@ _CONVERGED_CELLS = (
     + [("pre-ln", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L", "12L-12L")]
     + [("post-ln", d) for d in ("6L-6L", "12L-12L", "18L-18L")]
 )
+#: each cell trains to the schedule's first length, then (where the check set a longer one)
+#: continues that run: a session that ends between the two still leaves a recorded row
+_LENGTHS = tuple(dict.fromkeys((CONVERGED_RECIPE["max_update"], CONVERGED_UPDATES)))
 PLANS["converged"] = list(dict.fromkeys(
-    _CHECK + [(s, d, seed, "sinusoidal", CONVERGED_UPDATES) for seed in (1, 2)
-              for s, d in _CONVERGED_CELLS]))
+    _CHECK + [(s, d, seed, "sinusoidal", n) for seed in (1, 2)
+              for s, d in _CONVERGED_CELLS for n in _LENGTHS]))
 PLAN_RECIPES["converged"] = dict(CONVERGED_RECIPE, max_update=CONVERGED_UPDATES)
 
 # --------------------------------------------------------------------------- omega form
