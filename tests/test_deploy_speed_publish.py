@@ -206,16 +206,10 @@ def test_publish_names_the_fastest_model_within_half_a_bleu(tmp_path, bench):
     assert "| 400.0 | r1 | 2.00 | +1.75 |" in block and "| 900.0 | r3 | - | - |" in block
     assert "| 990.0 (failed) | r1 | 5.00 | +1.90 |" in block
     assert "| 90.0 (plugin) (failed) | r1 | - | - |" in block
-    # the speed table: one line per run; the fallback where it was recorded; failed seeds
-    assert "| 12L-1L | admin | 1 | CTranslate2 int8 | 400.0 | 20.00 | 2.000 | not recorded " \
-           "| r1 |" in block
-    assert "| 24L-1L | admin | 1 | CTranslate2 int8 | 300.0 | - | 3.000 | 3 / 0.25 s | r2 |" \
-        in block
-    assert "| 6L-6L | admin | 1 | CTranslate2 int8 | 200.0 | - | 1.000 | not recorded | r1 |" \
-        in block
-    assert "| 12L-3L | pre-ln | 1 (failed: ignores the source) | CTranslate2 int8 | 990.0 |" \
-        in block
-    assert "| 12L-1L | post-ln | 1 (failed: diverged) | fairseq + plugin | 90.0 |" in block
+    # every engine, batch and thread count stays in the CSV the block links, not repeated
+    cells_part = block[:block.index("The same shapes at WMT base width")]
+    assert "| CTranslate2 float32 |" not in cells_part and "| fairseq + plugin |" not in cells_part
+    assert "[deploy_speed_cells.csv](deploy_speed_cells.csv)" in cells_part
     assert "Failed timed models (post-ln 12L-1L, pre-ln 12L-3L):" in block
     # the WMT shapes: the batch is a cap, the mean batch what ran
     assert "untrained models with the output length held to each sentence's reference " \

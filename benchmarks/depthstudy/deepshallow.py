@@ -487,11 +487,11 @@ def _speed_lines(groups, speed_rows, figure: bool):
     rounds = sorted({r["rounds"] for r in speed_rows}, key=int)
     refused = sorted({f"{r['scheme']} ({r['note']})" for r in speed_rows
                       if r["engine"] == PLUGIN and "not exported" in r["note"]})
-    lines = ["Deployed speed of every cell (one seed's model each; test2016, beam 4, length "
-             f"penalty 0.6, median of {'/'.join(rounds)} round(s) in rotating order; "
-             f"{'; '.join(cpu)}); each line one timing run (`run`, docs/deployment.md), its "
-             "ratio over the 6L-6L of the same scheme timed in that run:", ""]
-    lines += _speed_table(speed_rows, failed)
+    lines = ["Deployed speed (the cells table's column: one seed's model each; test2016, beam 4, "
+             f"length penalty 0.6, median of {'/'.join(rounds)} round(s) in rotating order; "
+             f"{'; '.join(cpu)}). Every engine, precision, batch size and thread count of each "
+             f"timing run (`run`, docs/deployment.md), with its ratio over the 6L-6L of the same "
+             f"scheme in that run: [{CELLS_CSV}]({CELLS_CSV})."]
     if refused:
         lines += ["", "Plugin speed only (CTranslate2 export refused): " +
                   "; ".join(refused) + "."]
@@ -500,8 +500,8 @@ def _speed_lines(groups, speed_rows, figure: bool):
         lines += ["", f"Failed timed models ({names}): their speed is what they emit, mostly "
                   "to the length limit, and CTranslate2's time holds `translate`'s fairseq last "
                   "step for every sentence that reaches the limit (a second beam search and one "
-                  "`score_batch` call each; the `at the length limit` column where the run "
-                  "recorded it). They are left out of the figure and the fastest line."]
+                  "`score_batch` call each; the CSV's `fallback_*` columns where the run "
+                  "recorded them). They are left out of the figure and the fastest line."]
     if figure:
         lines += ["", f"![speed against BLEU]({FIGURE}) x: {X_LABEL} (plugin where the "
                   "scheme cannot be exported; log scale; different timing runs, whose speeds "
