@@ -127,8 +127,11 @@ def test_nll_block_tells_over_fitting_from_under_training(page):
 def test_collapse_block_replays_the_monitor_warning(page):
     block = _block(page, "collapse")
     # whole logged intervals above 0.9 after the 2000-update warmup start at update 2010
-    assert "| admin | 1 | 1.50 | 0.990 (2020) | 0.980 | 2010 |" in block
-    assert "| pre-ln | 1 | 12.00 | 0.950 (1000) | 0.400 | not warned |" in block
+    assert "| admin | 1 | 1.50 | stuck | 0.990 (2020) | 0.980 | 2010 |" in block
+    assert "| pre-ln | 1 | 12.00 | trained | 0.950 (1000) | 0.400 | not warned |" in block
+    # the two 6L-6L courses have no enc_tok_cos: two runs replayed, one failed and warned
+    assert ("(2 runs, none of them among those it was set on): it warned for 1 of 1 failed "
+            "runs and for 0 of 1 runs that trained.") in block
 
 
 def test_readme_answers_follow_the_rule_on_the_cells(page):
@@ -210,3 +213,12 @@ def test_grid_length_agrees_with_the_published_check():
         assert CONVERGED_UPDATES == 2 * n
     elif len(gains) == 2:
         assert CONVERGED_UPDATES == n
+
+
+def test_a_run_that_ignores_the_source_counts_as_failed():
+    blind = dict(_row("admin", "48L-1L", 2, 2400, 2.0), source_gain="0.10")
+    rows = [_row("admin", "48L-1L", 1, 2400, 30.0, status="trained"), blind]
+    line = next(l for l in converged.table_lines(rows) if l.startswith("| admin"))
+    assert "| 16.00 +- 19.80 (n=2), 1 ignores the source |" in line
+    assert "  - admin 48L-1L: 1 of 2 runs failed (BLEU 30.00, 2.00)." in \
+        converged.answer_lines(rows)

@@ -33,6 +33,7 @@ import statistics
 from pathlib import Path
 
 from .courses import course
+from .deepshallow import failure
 from .plan import CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
 from .report import _mean_spread, _num, curve_path
 
@@ -86,9 +87,9 @@ def _cell_text(rs, paper):
         text = "not run yet"
     else:
         text = _mean_spread([r["bleu"] for r in rs]).split(" (")[0] + f" (n={len(rs)})"
-        failed = [r for r in rs if r["status"] != "trained"]
+        failed = [failure(r) for r in rs if failure(r)]
         if failed:
-            text += f", {len(failed)} {'/'.join(sorted({r['status'] for r in failed}))}"
+            text += f", {len(failed)} {'/'.join(sorted(set(failed)))}"
     return text + (f"; paper {paper}" if paper else "")
 
 
@@ -130,16 +131,26 @@ def nll_lines(rows, curve_of):
 
 
 def collapse_lines(rows, curve_of):
-    lines = ["| scheme | seed | BLEU | peak enc_tok_cos (update) | at the end | monitor warned at |",
-             "|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rows if r["depth"] == "48L-1L"),
-                    key=lambda r: (r["scheme"], int(r["seed"]))):
+    """The 48L-1L runs' courses, then the monitor's rule replayed over every run of the page."""
+    lines = ["| scheme | seed | BLEU | outcome | peak enc_tok_cos (update) | at the end | "
+             "monitor warned at |", "|---|---|---|---|---|---|---|"]
+    replayed = []
+    for r in sorted(rows, key=lambda r: (r["depth"] != "48L-1L", r["scheme"], int(r["seed"]))):
         path = curve_of(r)
         c = course(json.loads(path.read_text())["train"], int(r["warmup"])) if path else None
         if c is None:
             continue
-        lines.append(f"| {r['scheme']} | {r['seed']} | {r['bleu']} | {c['peak'][1]:.3f} "
-                     f"({c['peak'][0]}) | {c['end'][1]:.3f} | {c['warned'] or 'not warned'} |")
+        replayed.append((bool(failure(r)), c["warned"] is not None))
+        if r["depth"] == "48L-1L":
+            lines.append(f"| {r['scheme']} | {r['seed']} | {r['bleu']} | "
+                         f"{failure(r) or 'trained'} | {c['peak'][1]:.3f} ({c['peak'][0]}) | "
+                         f"{c['end'][1]:.3f} | {c['warned'] or 'not warned'} |")
+    failed = [w for f, w in replayed if f]
+    trained = [w for f, w in replayed if not f]
+    lines += ["", f"The rule replayed over every run of this page with a logged course "
+              f"({len(replayed)} runs, none of them among those it was set on): it warned for "
+              f"{sum(failed)} of {len(failed)} failed runs and for {sum(trained)} of "
+              f"{len(trained)} runs that trained."]
     return lines
 
 
@@ -196,7 +207,7 @@ def compare(base, other, base_name, other_name):
 
 
 def _failed(rs):
-    bad = [r for r in rs if r["status"] != "trained"]
+    bad = [r for r in rs if failure(r)]
     if not rs:
         return "not run yet"
     return f"{len(bad)} of {len(rs)} runs failed (BLEU {', '.join(r['bleu'] for r in rs)})"
