@@ -104,6 +104,8 @@ def test_check_gives_both_lengths_and_the_gain(page):
     line = next(l for l in _block(page, "check").splitlines() if l.startswith("| 6L-6L"))
     assert "| 31.00 | 31.80 | +0.80 |" in line
     assert "| 18L-18L | 32.90 | not run yet | - | 3.100 / - |" in _block(page, "check")
+    # the longest run's curve by doublings: best so far at each; nothing logged past 4800
+    assert "| 6L-6L | 3.000 | 3.000 | 3.000 | 2.800 |" in _block(page, "check")
 
 
 def test_table_cells_are_mean_and_sample_std_over_the_recipes_seeds(page):

@@ -65,9 +65,22 @@ def _cell(rows, scheme, depth, updates):
                    (scheme, depth, str(updates))), key=lambda r: int(r["seed"]))
 
 
-def check_lines(rows):
+def _best_by(curve, updates):
+    """The lowest validation nll logged at or before each of ``updates`` (None: none yet)."""
+    valid = curve.get("valid", []) if curve else []
+    return [min((p["nll"] for p in valid if p["update"] <= u), default=None) for u in updates]
+
+
+def check_lines(rows, curve_of=lambda r: None):
+    """Both lengths of the check per shape, then the validation course by doublings (read
+    from the longest run's curve): what each doubling of the schedule bought."""
     lines = ["| shape (Admin, seed 1) | BLEU at 2400 | BLEU at 4800 | gain | best valid nll "
              "2400 / 4800 | final train nll 2400 / 4800 |", "|---|---|---|---|---|---|"]
+    doublings = (600, 1200, 2400, 4800)
+    course_ = ["", "Best validation nll (bits) by update, from the longest run's curve: each "
+               "doubling's gain, the course a further doubling would continue:", "",
+               "| shape | " + " | ".join(f"by {u}" for u in doublings) + " |",
+               "|---|" + "---|" * len(doublings)]
     for depth in ("6L-6L", "18L-18L"):
         a, b = (next(iter([r for r in _cell(rows, "admin", depth, n) if r["seed"] == "1"]),
                      None) for n in (2400, 4800))
@@ -79,7 +92,14 @@ def check_lines(rows):
                      f"{a['best_valid_nll'] if a else '-'} / {b['best_valid_nll'] if b else '-'}"
                      f" | {a['final_train_nll'] if a else '-'} / "
                      f"{b['final_train_nll'] if b else '-'} |")
-    return lines
+        path = curve_of(b or a) if (b or a) else None
+        if path:
+            best = _best_by(json.loads(path.read_text()), doublings)
+            last = max(p["update"] for p in json.loads(path.read_text())["valid"])
+            cells = [f"{x:.3f}" if x is not None and u <= last else "-"
+                     for x, u in zip(best, doublings)]
+            course_.append(f"| {depth} | " + " | ".join(cells) + " |")
+    return lines + (course_ if len(course_) > 5 else [])
 
 
 def _cell_text(rs, paper):
@@ -169,7 +189,7 @@ def fill(page: Path, rows, out: Path, published: Path) -> None:
     def curve_of(r):
         return curve_path(out, r, published)
 
-    blocks = {"check": check_lines(rows), "table": table_lines(rows) + ["", missing_line(rows)],
+    blocks = {"check": check_lines(rows, curve_of), "table": table_lines(rows) + ["", missing_line(rows)],
               "nll": nll_lines(rows, curve_of), "collapse": collapse_lines(rows, curve_of),
               "speed": speed_lines(read_speed(published / SPEED_CSV)),
               "readme": table_lines(rows) + [""] + answer_lines(rows)}
