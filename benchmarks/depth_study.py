@@ -20,11 +20,12 @@ and why):
 lr 1e-3 after 2000 warmup updates, validation and a checkpoint every 200 updates, checkpoints
 kept; first the convergence check (Admin 6L-6L and 18L-18L at 2400 and 4800 updates), then
 Post-LN, Pre-LN and Admin at 6L-6L, 12L-12L, 18L-18L and Admin and Pre-LN at 12L-1L and 48L-1L,
-two seeds, seed 1 of every cell first. A run whose process was stopped (a session's end)
-resumes from its ``checkpoint_last.pt`` when the study is called again, and a longer run of a
-configuration continues its kept shorter run (``depthstudy/segments.py``): one run, whose row
-says where it was resumed (``resumed_at``). ``--report-only --publish docs`` rebuilds every
-table, the converged page's included, from the CSV.
+two seeds (a third where the first two differ by more than 1 BLEU), seed 1 of every cell
+first. A run whose process was stopped (a session's end) resumes from its
+``checkpoint_last.pt`` when the study is called again, and a longer run of a configuration
+continues its kept shorter run (``depthstudy/segments.py``): one run, whose row says where it
+was resumed (``resumed_at``). ``--report-only --publish docs`` rebuilds every table, the
+converged page's and the README's headline included, from the CSV.
 
 Steps (every fairseq / data command is printed before it runs):
 
@@ -267,6 +268,8 @@ def main(argv=None):
     args.out = args.out.resolve()
     csv_path = args.out / "results.csv"
     grid = _grid(args, schemes, depths, seeds, positions)
+    if args.plan == "converged":  # a third seed where the first two disagree
+        grid += converged.third_seeds(read_rows(csv_path))
 
     if not args.report_only:
         try:

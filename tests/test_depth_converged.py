@@ -224,3 +224,15 @@ def test_a_run_that_ignores_the_source_counts_as_failed():
     assert "| 16.00 +- 19.80 (n=2), 1 ignores the source |" in line
     assert "  - admin 48L-1L: 1 of 2 runs failed (BLEU 30.00, 2.00)." in \
         converged.answer_lines(rows)
+
+
+def test_a_third_seed_where_the_first_two_differ_by_more_than_one_bleu():
+    from depthstudy.plan import CONVERGED_UPDATES as n
+
+    rows = [_row("admin", "12L-1L", 1, n, 30.0), _row("admin", "12L-1L", 2, n, 31.2),
+            _row("pre-ln", "12L-1L", 1, n, 30.0), _row("pre-ln", "12L-1L", 2, n, 31.0),
+            _row("admin", "6L-6L", 1, n, 30.0)]
+    items = converged.third_seeds(rows)
+    assert [i[:3] for i in items] == [("admin", "12L-1L", 3)] * len(items)
+    assert items[-1][4] == n
+    assert f"admin 12L-1L seed 3 ({n})" in converged.missing_line(converged.converged_rows(rows))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .courses import course
 from .deepshallow import failure
-from .plan import CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
+from .plan import CONVERGED_LENGTHS, CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
 from .report import _mean_spread, _num, curve_path
 
 SCHEMES = ("post-ln", "pre-ln", "admin")
@@ -174,9 +174,29 @@ def collapse_lines(rows, curve_of):
     return lines
 
 
+#: two seeds of a cell further apart than this get a third
+THIRD_SEED_BLEU = 1.0
+
+
+def third_seeds(rows):
+    """Grid items of seed 3 for every cell of the grid whose seeds 1 and 2 (at the grid's
+    length) differ by more than ``THIRD_SEED_BLEU``, each length in the plan's order."""
+    rows = converged_rows(rows)
+    cells = dict.fromkeys((s, d) for s, d, _, _, n in PLANS["converged"]
+                          if n == CONVERGED_UPDATES)
+    items = []
+    for s, d in cells:
+        bleus = {r["seed"]: _num(r["bleu"]) for r in _cell(rows, s, d, CONVERGED_UPDATES)}
+        if None not in (bleus.get("1"), bleus.get("2")) and \
+                abs(bleus["1"] - bleus["2"]) > THIRD_SEED_BLEU:
+            items += [(s, d, 3, "sinusoidal", n) for n in CONVERGED_LENGTHS]
+    return items
+
+
 def missing_line(rows):
     done = {(r["scheme"], r["depth"], r["seed"], r["max_update"]) for r in rows}
-    missing = [f"{s} {d} seed {seed} ({n})" for s, d, seed, _, n in PLANS["converged"]
+    missing = [f"{s} {d} seed {seed} ({n})" for s, d, seed, _, n in
+               PLANS["converged"] + third_seeds(rows)
                if (s, d, str(seed), str(n)) not in done]
     return (f"Runs of `--plan converged` still to run ({len(missing)}): " + ", ".join(missing)
             + "." if missing else "Every run of `--plan converged` is recorded.")

@@ -273,10 +273,11 @@ _CONVERGED_CELLS = (
 )
 #: each cell trains to the schedule's first length, then (where the check set a longer one)
 #: continues that run: a session that ends between the two still leaves a recorded row
-_LENGTHS = tuple(dict.fromkeys((CONVERGED_RECIPE["max_update"], CONVERGED_UPDATES)))
+CONVERGED_LENGTHS = tuple(dict.fromkeys((CONVERGED_RECIPE["max_update"],
+                                          CONVERGED_UPDATES)))
 PLANS["converged"] = list(dict.fromkeys(
     _CHECK + [(s, d, seed, "sinusoidal", n) for seed in (1, 2)
-              for s, d in _CONVERGED_CELLS for n in _LENGTHS]))
+              for s, d in _CONVERGED_CELLS for n in CONVERGED_LENGTHS]))
 PLAN_RECIPES["converged"] = dict(CONVERGED_RECIPE, max_update=CONVERGED_UPDATES)
 
 # --------------------------------------------------------------------------- omega form
