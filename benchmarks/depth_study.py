@@ -268,8 +268,11 @@ def main(argv=None):
     args.out = args.out.resolve()
     csv_path = args.out / "results.csv"
     grid = _grid(args, schemes, depths, seeds, positions)
-    if args.plan == "converged":  # a third seed where the first two disagree
-        grid += converged.third_seeds(read_rows(csv_path))
+    if args.plan == "converged":  # a third seed where the first two disagree; Post-LN
+        # 18L-18L not where Post-LN 12L-12L failed with both seeds
+        rows = read_rows(csv_path)
+        skip = converged.skipped(rows)
+        grid = [g for g in grid if g not in skip] + converged.third_seeds(rows)
 
     if not args.report_only:
         try:

@@ -184,7 +184,7 @@ def test_fastest_within_half_a_bleu_is_the_fastest_near_model():
 
 
 def test_every_cell_trains_its_first_length_before_a_longer_one():
-    from depthstudy.plan import CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
+    from depthstudy.plan import CONVERGED_LONG, CONVERGED_RECIPE, CONVERGED_UPDATES, PLANS
 
     grid = PLANS["converged"]
     assert len(set(grid)) == len(grid)
@@ -193,7 +193,8 @@ def test_every_cell_trains_its_first_length_before_a_longer_one():
         if item[4] > first:
             assert item[:4] + (first,) in grid[:i]
     cells = {(s, d) for s, d, seed, _, n in grid if n == CONVERGED_UPDATES}
-    assert len(cells) == 13 and all(
+    # at a longer length 12L-12L is Admin's alone
+    assert len(cells) == (11 if CONVERGED_LONG else 13) and all(
         (s, d, seed, "sinusoidal", CONVERGED_UPDATES) in grid for s, d in cells for seed in (1, 2))
 
 
@@ -236,3 +237,29 @@ def test_a_third_seed_where_the_first_two_differ_by_more_than_one_bleu():
     assert [i[:3] for i in items] == [("admin", "12L-1L", 3)] * len(items)
     assert items[-1][4] == n
     assert f"admin 12L-1L seed 3 ({n})" in converged.missing_line(converged.converged_rows(rows))
+
+
+@pytest.mark.parametrize("statuses,skips", [(("stuck", "diverged"), True),
+                                            (("stuck", "trained"), False), (("stuck",), False)])
+def test_post_ln_18l_is_skipped_only_where_12l_failed_with_both_seeds(statuses, skips):
+    from depthstudy.plan import CONVERGED_LONG, CONVERGED_UPDATES as n
+
+    rows = [_row("post-ln", "12L-12L", seed, n, 1.0 if st != "trained" else 25.0, status=st)
+            for seed, st in enumerate(statuses, 1)]
+    skipped = converged.skipped(rows)
+    if skips and not CONVERGED_LONG:
+        assert {g[:3] for g in skipped} == {("post-ln", "18L-18L", 1), ("post-ln", "18L-18L", 2)}
+        line = converged.missing_line(converged.converged_rows(rows))
+        assert "post-ln 18L-18L" not in line.split(":", 1)[1].split(". ")[0]
+        assert line.endswith("Post-LN 12L-12L failed with both seeds.")
+    else:
+        assert skipped == []
+
+
+def test_post_ln_18l_comes_after_every_other_cell():
+    from depthstudy.plan import PLANS
+
+    grid = PLANS["converged"]
+    first = min(i for i, g in enumerate(grid) if g[:2] == ("post-ln", "18L-18L"))
+    assert all(g[:2] == ("post-ln", "18L-18L") for g in grid[first:])
+    assert {g[2] for g in grid[first:]} == {1, 2}

@@ -265,19 +265,25 @@ CONVERGED_UPDATES = 2400
 #: with two jobs the longer run waits for its shorter one and the other job takes 18L-18L)
 _CHECK = [("admin", d, 1, "sinusoidal", n) for d in ("6L-6L", "18L-18L") for n in (2400, 4800)]
 #: then, most informative first: Admin's deep-shallow shapes, Pre-LN, Post-LN; every cell's
-#: first seed before any second
+#: first seed before any second. At a length above the first, 12L-12L is Admin's alone.
+CONVERGED_LONG = CONVERGED_UPDATES > CONVERGED_RECIPE["max_update"]
+_SHARED_12 = () if CONVERGED_LONG else ("12L-12L",)
 _CONVERGED_CELLS = (
     [("admin", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L", "12L-12L")]
-    + [("pre-ln", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L", "12L-12L")]
-    + [("post-ln", d) for d in ("6L-6L", "12L-12L", "18L-18L")]
+    + [("pre-ln", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L") + _SHARED_12]
+    + [("post-ln", d) for d in ("6L-6L",) + _SHARED_12]
 )
+#: Post-LN 18L-18L last, both seeds: it is skipped where Post-LN 12L-12L failed with both
+#: seeds (``converged.skipped``); with 12L-12L Admin's alone it is always run
+POST_LN_DEEP = ("post-ln", "18L-18L")
 #: each cell trains to the schedule's first length, then (where the check set a longer one)
 #: continues that run: a session that ends between the two still leaves a recorded row
 CONVERGED_LENGTHS = tuple(dict.fromkeys((CONVERGED_RECIPE["max_update"],
                                           CONVERGED_UPDATES)))
 PLANS["converged"] = list(dict.fromkeys(
     _CHECK + [(s, d, seed, "sinusoidal", n) for seed in (1, 2)
-              for s, d in _CONVERGED_CELLS for n in CONVERGED_LENGTHS]))
+              for s, d in _CONVERGED_CELLS for n in CONVERGED_LENGTHS]
+    + [(*POST_LN_DEEP, seed, "sinusoidal", n) for seed in (1, 2) for n in CONVERGED_LENGTHS]))
 PLAN_RECIPES["converged"] = dict(CONVERGED_RECIPE, max_update=CONVERGED_UPDATES)
 
 # --------------------------------------------------------------------------- omega form
