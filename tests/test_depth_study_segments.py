@@ -159,7 +159,7 @@ def test_a_segment_stopped_before_its_first_update_is_replaced(tmp_path):
 
 def test_converged_plan_checks_the_length_before_the_grid():
     module = load_study_module()
-    from depthstudy.plan import CONVERGED_UPDATES
+    from depthstudy.plan import CONVERGED_LENGTHS, POST_LN_DEEP
 
     plan = module.PLANS["converged"]
     check = [(s, d, seed, n) for s, d, seed, _, n in plan[:4]]
@@ -170,9 +170,10 @@ def test_converged_plan_checks_the_length_before_the_grid():
                       for d in ("6L-6L", "12L-12L", "18L-18L")}
                      | {(s, d) for s in ("admin", "pre-ln") for d in ("12L-1L", "48L-1L")})
     assert len(plan) == len(set(plan))
-    grid = [item for item in plan[4:]]
-    assert {item[4] for item in grid} == {CONVERGED_UPDATES}
-    # every cell's first seed before any second seed
+    grid = [item for item in plan[4:] if item[:2] != POST_LN_DEEP]
+    assert {item[4] for item in plan[4:]} == set(CONVERGED_LENGTHS)
+    # every cell's first seed before any second seed; Post-LN 18L-18L after all of them
     assert [item[2] for item in grid] == sorted(item[2] for item in grid)
+    assert plan[4 + len(grid):] == [item for item in plan if item[:2] == POST_LN_DEEP]
     recipe = module.PLAN_RECIPES["converged"]
     assert (recipe["lr"], recipe["warmup"], recipe["validate_every"]) == (1e-3, 2000, 200)
