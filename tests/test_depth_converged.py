@@ -62,7 +62,8 @@ def page(tmp_path):
             path.parent.mkdir(parents=True)
             path.write_text(json.dumps(curves[r["key"]]))
     _speed_csv(docs / converged.SPEED_CSV)
-    converged.fill(docs / "depth_converged.md", rows, out, docs)
+    # the grid's length given: the blocks' numbers do not depend on the check's verdict
+    converged.fill(docs / "depth_converged.md", rows, out, docs, updates=2400)
     return (docs / "depth_converged.md").read_text()
 
 
@@ -115,7 +116,8 @@ def test_table_cells_are_mean_and_sample_std_over_the_recipes_seeds(page):
     assert cells[0] == f"{mean:.2f} +- {std:.2f} (n=2); paper 27.90"
     assert cells[4] == "1.50 (n=1), 1 stuck"
     assert cells[1] == "not run yet; paper 28.58"
-    assert "admin 6L-6L seed 2 (4800)" not in page  # not part of the plan
+    # the missing runs are the plan's: seed 3 only where seeds 1 and 2 differ by over 1 BLEU
+    assert "admin 6L-6L seed 3" not in page
     assert "admin 18L-18L seed 1 (4800)" in _block(page, "table")
     assert "admin 18L-18L seed 1 (2400)" not in _block(page, "table")
 
@@ -221,10 +223,10 @@ def test_grid_length_agrees_with_the_published_check():
 def test_a_run_that_ignores_the_source_counts_as_failed():
     blind = dict(_row("admin", "48L-1L", 2, 2400, 2.0), source_gain="0.10")
     rows = [_row("admin", "48L-1L", 1, 2400, 30.0, status="trained"), blind]
-    line = next(l for l in converged.table_lines(rows) if l.startswith("| admin"))
+    line = next(l for l in converged.table_lines(rows, 2400) if l.startswith("| admin"))
     assert "| 16.00 +- 19.80 (n=2), 1 ignores the source |" in line
     assert "  - admin 48L-1L: 1 of 2 runs failed (BLEU 30.00, 2.00)." in \
-        converged.answer_lines(rows)
+        converged.answer_lines(rows, 2400)
 
 
 def test_a_third_seed_where_the_first_two_differ_by_more_than_one_bleu():
@@ -263,3 +265,17 @@ def test_post_ln_18l_comes_after_every_other_cell():
     first = min(i for i, g in enumerate(grid) if g[:2] == ("post-ln", "18L-18L"))
     assert all(g[:2] == ("post-ln", "18L-18L") for g in grid[first:])
     assert {g[2] for g in grid[first:]} == {1, 2}
+
+
+def test_cells_outside_the_grid_say_so():
+    from depthstudy.plan import CONVERGED_LONG, CONVERGED_UPDATES as n
+
+    lines = converged.table_lines([], n)
+    post = next(l for l in lines if l.startswith("| post-ln"))
+    assert "| not in the grid |" in post  # Post-LN at 12L-1L is not part of the grid
+    pre = next(l for l in lines if l.startswith("| pre-ln"))
+    # at a longer length 12L-12L is Admin's alone
+    assert ("not in the grid; paper 28.26" in pre) == CONVERGED_LONG
+    answers = "\n".join(converged.answer_lines([], n))
+    assert ("pre-ln 12L-12L vs 6L-6L" in answers) != CONVERGED_LONG
+    assert f"Post-LN {'18L-18L' if CONVERGED_LONG else '12L-12L'}: not run yet." in answers

@@ -103,9 +103,14 @@ def check_lines(rows, curve_of=lambda r: None):
     return lines + (course_ if len(course_) > 5 else [])
 
 
-def _cell_text(rs, paper):
+def grid_cells(updates=CONVERGED_UPDATES):
+    """The (scheme, depth) cells the plan trains to ``updates``."""
+    return {(s, d) for s, d, _, _, n in PLANS["converged"] if n == updates}
+
+
+def _cell_text(rs, paper, in_grid=True):
     if not rs:
-        text = "not run yet"
+        text = "not run yet" if in_grid else "not in the grid"
     else:
         text = _mean_spread([r["bleu"] for r in rs]).split(" (")[0] + f" (n={len(rs)})"
         failed = [failure(r) for r in rs if failure(r)]
@@ -117,7 +122,8 @@ def _cell_text(rs, paper):
 def table_lines(rows, updates=CONVERGED_UPDATES):
     lines = ["| scheme | " + " | ".join(DEPTHS) + " |", "|---|" + "---|" * len(DEPTHS)]
     for s in SCHEMES:
-        cells = [_cell_text(_cell(rows, s, d, updates), PAPER.get((s, d))) for d in DEPTHS]
+        cells = [_cell_text(_cell(rows, s, d, updates), PAPER.get((s, d)),
+                            (s, d) in grid_cells(updates)) for d in DEPTHS]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return lines
 
@@ -216,17 +222,19 @@ def missing_line(rows):
                    if skip else "")
 
 
-def fill(page: Path, rows, out: Path, published: Path) -> None:
-    """Rewrite the blocks of ``page`` (those whose markers it has) from ``rows``."""
+def fill(page: Path, rows, out: Path, published: Path, updates=CONVERGED_UPDATES) -> None:
+    """Rewrite the blocks of ``page`` (those whose markers it has) from ``rows``; the table and
+    the answers at the grid's length ``updates``."""
     rows = converged_rows(rows)
 
     def curve_of(r):
         return curve_path(out, r, published)
 
-    blocks = {"check": check_lines(rows, curve_of), "table": table_lines(rows) + ["", missing_line(rows)],
+    blocks = {"check": check_lines(rows, curve_of),
+              "table": table_lines(rows, updates) + ["", missing_line(rows)],
               "nll": nll_lines(rows, curve_of), "collapse": collapse_lines(rows, curve_of),
               "speed": speed_lines(read_speed(published / SPEED_CSV)),
-              "readme": table_lines(rows) + [""] + answer_lines(rows)}
+              "readme": table_lines(rows, updates) + [""] + answer_lines(rows, updates)}
     text = page.read_text()
     for name, lines in blocks.items():
         start, end = MARK.format(name, "start"), MARK.format(name, "end")
@@ -275,10 +283,13 @@ def answer_lines(rows, updates=CONVERGED_UPDATES):
     def vs(s, base, other):
         return f"  - {compare(cell(s, base), cell(s, other), base, f'{s} {other}')}."
 
+    grid = grid_cells(updates)
+    post = "12L-12L" if ("post-ln", "12L-12L") in grid else "18L-18L"
     return [f"At this schedule ({updates} updates), in BLEU; a difference counts when both cells "
             f"have two seeds and it exceeds {GAIN_BLEU} and their larger std:", "",
-            f"- **Does depth pay?** Post-LN 12L-12L: {_failed(cell('post-ln', '12L-12L'))}.",
-            *(vs(s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")),
+            f"- **Does depth pay?** Post-LN {post}: {_failed(cell('post-ln', post))}.",
+            *(vs(s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")
+              if (s, d) in grid),
             "- **Does 12L-1L match 6L-6L?**",
             *(vs(s, "6L-6L", "12L-1L") for s in ("admin", "pre-ln")),
             "- **Does Admin collapse at 48L-1L?**",

@@ -258,7 +258,7 @@ PLANS["norms-2025-dyt"] = (
 CONVERGED_RECIPE = dict(lr=1e-3, warmup=2000, max_update=2400, validate_every=200,
                         keep_checkpoints=True)
 #: the length of the grid, set by the convergence check (docs/depth_converged.md)
-CONVERGED_UPDATES = 2400
+CONVERGED_UPDATES = 4800
 #: the convergence check first: Admin 6L-6L and 18L-18L seed 1 at the schedule's length and
 #: at twice it (the longer run continues the shorter one's checkpoint: one run, two rows)
 #: (6L-6L's longer run before 18L-18L's shorter one: one job trains 6L-6L to its end first;
