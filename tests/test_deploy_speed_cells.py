@@ -301,14 +301,16 @@ def test_converged_plan_times_the_grid_length_of_each_cell(bench, tmp_path):
     """``--plan converged``: a cell's checkpoint is the run at the grid's length, not the
     convergence check's longer (or shorter) run of the same configuration."""
     from depthstudy.deepshallow import plan_args, plan_cells
-    from depthstudy.plan import CONVERGED_UPDATES, run_key
+    from depthstudy.plan import CONVERGED_LONG, CONVERGED_UPDATES, run_key
     from depthstudy.report import write_rows
     from deployspeed.cells import pick_checkpoints
 
+    # at a length above the first, 12L-12L is Admin's alone
+    shared = () if CONVERGED_LONG else ("12L-12L",)
     assert {c[:2] for c in plan_cells("converged")} == {
-        (s, d) for s in ("admin", "pre-ln") for d in ("6L-6L", "12L-12L", "18L-18L", "12L-1L",
-                                                      "48L-1L")} | {
-        ("post-ln", d) for d in ("6L-6L", "12L-12L", "18L-18L")}
+        (s, d) for s in ("admin", "pre-ln") for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L")
+        + shared} | {("post-ln", d) for d in ("6L-6L", "18L-18L") + shared} | {
+        ("admin", "12L-12L")}
     rows = []
     for updates in sorted({CONVERGED_UPDATES, 2 * CONVERGED_UPDATES, CONVERGED_UPDATES // 2}):
         args = plan_args("converged")
