@@ -149,6 +149,27 @@ def test_summary_cell_prints_no_negative_zero(depth_study_module, values, expect
     assert _mean_spread(values, 3) == expected
 
 
+@pytest.mark.parametrize("other,label", [
+    ({"validate_every": "200"}, "admin (lr 0.001, warmup 2000, valid every 200)"),
+    ({"clip_norm": "1"}, "admin (lr 0.001, warmup 2000, clip-norm 1)"),
+])
+def test_runs_of_one_seed_validated_or_clipped_otherwise_are_not_averaged(
+        depth_study_module, other, label):
+    # the same seed validated at other updates picks another checkpoint_best: its own line,
+    # never a "seeds 1,1" mean with the run validated at the epochs' ends
+    from depthstudy.report import summary_lines
+    base = {"study": "d128-2400upd", "depth": "12L-1L", "positions": "sinusoidal",
+            "scheme": "admin", "seed": "1",
+            "embed_dim": "128", "max_update": "2400", "lr": "0.001", "warmup": "2000",
+            "clip_norm": "0", "status": "trained", "bleu": "32.64", "best_valid_nll": "3.174",
+            "distinct_hyps": "1000", "validate_every": "", "encoder_layers": "12"}
+    rows = [base, {**base, "bleu": "33.00", **other}]
+    body = summary_lines(rows)[2:]
+    assert [line.split(" | ")[2:5] for line in body] == [
+        ["admin (lr 0.001, warmup 2000)", "1", "1 trained"], [label, "1", "1 trained"]]
+    assert [line.split(" | ")[5] for line in body] == ["32.64", "33.00"]
+
+
 def test_published_summary_prints_no_negative_zero_and_no_per_run_rows(depth_study_module,
                                                                       grid, tmp_path):
     # the summary shows a cell's source gain to 3 decimals: a failed run's -0.00001 (written

@@ -156,8 +156,10 @@ def _mean_spread(values, nd=2):
 
 def recipe_label(r) -> str:
     """The row's scheme, with its learning rate and warmup when they are not those of its
-    study's preset (or of the preset of its model size) and its gradient clipping when it
-    has any: rows at another schedule or with clipping are never averaged with the preset's."""
+    study's preset (or of the preset of its model size), its gradient clipping when it has
+    any and its validation interval when fixed (which picks checkpoint_best among other
+    updates): rows at another schedule, with clipping or validated at other updates are never
+    averaged together."""
     changed = []
     # the study's preset, else the preset of the same model size (d=128 with 2400 updates is
     # compared with the demo's schedule)
@@ -168,6 +170,8 @@ def recipe_label(r) -> str:
         changed.append(f"lr {r['lr']}, warmup {r['warmup']}")
     if float(r["clip_norm"] or 0.0):
         changed.append(f"clip-norm {r['clip_norm']}")
+    if r.get("validate_every"):
+        changed.append(f"valid every {r['validate_every']}")
     return f"{r['scheme']} ({', '.join(changed)})" if changed else r["scheme"]
 
 
