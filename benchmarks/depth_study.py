@@ -120,8 +120,9 @@ from depthstudy import converged  # noqa: E402
 from depthstudy.publish import publish  # noqa: E402,F401
 from depthstudy.report import (CSV_FIELDS, TABLE_END, TABLE_START, append_row,  # noqa: E402,F401
                                distinct_translations, read_rows, write_table)
-from depthstudy.runner import (backfill, claim, final_shortcuts, generate,  # noqa: E402,F401
-                               one_run, run_grid, train_command, unsupported_flags)
+from depthstudy.grid import claim, run_grid  # noqa: E402,F401
+from depthstudy.runner import (backfill, final_shortcuts, generate,  # noqa: E402,F401
+                               one_run, train_command, unsupported_flags)
 
 
 def check_imports(report_only: bool) -> None:
@@ -227,30 +228,33 @@ def _grid(args, schemes, depths, seeds, positions):
             for seed in seeds]
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def _split(parser, flag: str, text: str, valid: dict) -> list:
+    """A comma list of choices; an unknown one is an argparse error naming ``flag``."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if s not in valid]
+    if bad:
+        parser.error(f"{flag}: unknown {', '.join(bad)}; valid choices: {', '.join(valid)}")
+    return items
+
+
+def parse_args(argv):
+    """The parsed flags with ``--quick``'s, the plan's recipe and the preset filled in where
+    not given, and the grid's axes checked: (parser, args, schemes, positions, depths,
+    seeds)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:
-        given = {a.split("=")[0] for a in argv if a.startswith("--")}
-        for name, value in QUICK.items():
-            if "--" + name.replace("_", "-") not in given:
-                setattr(args, name, value)
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    for name, value in (QUICK.items() if args.quick else ()):
+        if "--" + name.replace("_", "-") not in given:
+            setattr(args, name, value)
     for name, value in PLAN_RECIPES.get(args.plan, {}).items():
-        if "--" + name.replace("_", "-") not in {a.split("=")[0] for a in argv}:
+        if "--" + name.replace("_", "-") not in given:
             setattr(args, name, value)
     for name, value in PRESETS[args.preset].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad:
-        parser.error(f"--schemes: unknown {', '.join(bad)}; valid choices: {', '.join(SCHEMES)}")
-    positions = [s.strip() for s in args.positions.split(",") if s.strip()]
-    bad = [s for s in positions if s not in POSITIONS]
-    if bad:
-        parser.error(f"--positions: unknown {', '.join(bad)}; valid choices: "
-                     f"{', '.join(POSITIONS)}")
+    schemes = _split(parser, "--schemes", args.schemes, SCHEMES)
+    positions = _split(parser, "--positions", args.positions, POSITIONS)
     depths = [d.strip() for d in args.depths.split(",") if d.strip()]
     for d in depths:
         try:
@@ -266,6 +270,38 @@ def main(argv=None):
     if args.clip_norm < 0:
         parser.error(f"--clip-norm: {args.clip_norm:g} is negative; 0 turns clipping off")
     args.out = args.out.resolve()
+    return parser, args, schemes, positions, depths, seeds
+
+
+def report(args, grid, csv_path: Path) -> None:
+    """The table and figures of the CSV's rows, and with ``--publish`` the docs' blocks."""
+    rows = read_rows(csv_path)
+    if not rows:
+        log(f"no rows in {csv_path} yet")
+        return
+    done = {r["key"] for r in rows}
+    missing = [(study_name(item_args(args, g)), *g[:4]) for g in grid
+               if item_key(g, args) not in done]
+    write_table(rows, args.out / "results_table.md", missing)
+    write_plot(rows, args.out, args.out / "depth_study_loss.png", args.publish or REPO / "docs")
+    write_omega_plot(rows, args.out / "depth_study_omegas.png")
+    log(f"{len(rows)} rows in {csv_path}; table {args.out/'results_table.md'}; "
+        f"figure {args.out/'depth_study_loss.png'}")
+    if missing:
+        log(f"{len(missing)} runs of this grid are still missing (listed in the table)")
+    print((args.out / "results_table.md").read_text())
+    if args.publish is not None:
+        publish(args.out, args.publish)
+        # the converged schedule's tables (depthstudy/converged.py) and the README's headline
+        for page in (args.publish / "depth_converged.md",
+                     args.publish.resolve().parent / "README.md"):
+            if page.is_file():
+                converged.fill(page, rows, args.out, args.publish)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser, args, schemes, positions, depths, seeds = parse_args(argv)
     csv_path = args.out / "results.csv"
     grid = _grid(args, schemes, depths, seeds, positions)
     if args.plan == "converged":  # a third seed where the first two disagree; Post-LN
@@ -273,7 +309,6 @@ def main(argv=None):
         rows = read_rows(csv_path)
         skip = converged.skipped(rows)
         grid = [g for g in grid if g not in skip] + converged.third_seeds(rows)
-
     if not args.report_only:
         try:
             check_data(args.data)
@@ -293,28 +328,7 @@ def main(argv=None):
     if (args.out / "data" / "bin").is_dir():
         # rows recorded before the diagnostic columns, whose runs are still here
         backfill(args, args.out / "data", csv_path)
-    rows = read_rows(csv_path)
-    if not rows:
-        log(f"no rows in {csv_path} yet")
-        return 0
-    done = {r["key"] for r in rows}
-    missing = [(study_name(item_args(args, g)), *g[:4]) for g in grid
-               if item_key(g, args) not in done]
-    write_table(rows, args.out / "results_table.md", missing)
-    write_plot(rows, args.out, args.out / "depth_study_loss.png", args.publish or REPO / "docs")
-    write_omega_plot(rows, args.out / "depth_study_omegas.png")
-    log(f"{len(rows)} rows in {csv_path}; table {args.out/'results_table.md'}; "
-        f"figure {args.out/'depth_study_loss.png'}")
-    if missing:
-        log(f"{len(missing)} runs of this grid are still missing (listed in the table)")
-    print((args.out / "results_table.md").read_text())
-    if args.publish is not None:
-        publish(args.out, args.publish)
-        page = args.publish / "depth_converged.md"
-        # the converged schedule's tables (depthstudy/converged.py) and the README's headline
-        for page in (page, args.publish.resolve().parent / "README.md"):
-            if page.is_file():
-                converged.fill(page, rows, args.out, args.publish)
+    report(args, grid, csv_path)
     return 0
 
 

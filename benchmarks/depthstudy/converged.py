@@ -287,7 +287,8 @@ def answer_lines(rows, updates=CONVERGED_UPDATES):
     post = "12L-12L" if ("post-ln", "12L-12L") in grid else "18L-18L"
     return [f"At this schedule ({updates} updates), in BLEU; a difference counts when both cells "
             f"have two seeds and it exceeds {GAIN_BLEU} and their larger std:", "",
-            f"- **Does depth pay?** Post-LN {post}: {_failed(cell('post-ln', post))}.",
+            f"- **Does depth pay?** Post-LN {post} (failed in the paper): "
+            f"{_failed(cell('post-ln', post))}.",
             *(vs(s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")
               if (s, d) in grid),
             "- **Does 12L-1L match 6L-6L?**",

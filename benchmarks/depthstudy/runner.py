@@ -3,7 +3,6 @@ one CSV row per finished run."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import re
@@ -20,12 +19,9 @@ from .common import (REPO, USER_DIR, cpu_name, fairseq_env, file_lock, log, pars
 from .data import TGT
 from .logs import classify, gnorm_summary, parse_curve
 from .omegas import init_omegas, write_variant_file
-from .plan import (OMEGA_VARIANTS, POSITIONS, SCHEMES, item_args, item_key, run_key,
-                   study_name)
+from .plan import OMEGA_VARIANTS, POSITIONS, SCHEMES, run_key, study_name
 from . import segments
-from .plot import write_plot
-from .report import (append_row, csv_lock, distinct_translations, read_rows, write_rows,
-                     write_table)
+from .report import csv_lock, distinct_translations, read_rows, write_rows
 
 
 def train_command(args, bin_dir: Path, save_dir: Path, scheme: str, enc: int, dec: int,
@@ -300,7 +296,48 @@ def train_segment(args, root, run_dir, save_dir, cmd, key, omega_file, cell):
     return run_checked(cmd, fairseq_env(args.threads), log_file, echo=args.verbose)
 
 
+def _evaluate(args, root, save_dir: Path, run_dir: Path, env) -> dict:
+    """BLEU of the best checkpoint, the last checkpoint's shortcut weights and the probe's
+    diagnostics; then the checkpoints go unless ``--keep-checkpoints``."""
+    bleu, sig, gen_wall, gen_cmd = float("nan"), "", 0.0, ""
+    if (save_dir / "checkpoint_best.pt").is_file():
+        try:
+            bleu, sig, gen_wall, gen_cmd = generate(args, root, save_dir, run_dir, env)
+        except RuntimeError as err:
+            log(str(err))
+    shortcuts = {}
+    if (save_dir / "checkpoint_last.pt").is_file():
+        shortcuts = final_shortcuts(save_dir / "checkpoint_last.pt")
+    probed = probe_run(root, save_dir, env)
+    if not args.keep_checkpoints:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    return {"bleu": bleu, "sig": sig, "gen_wall": gen_wall, "gen_cmd": gen_cmd,
+            "shortcuts": shortcuts, "probed": probed}
+
+
+def _fmt(v, nd=3) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+
+def _curve_columns(curve) -> dict:
+    """Losses of the run's curve: the last and lowest training nll, the best validation."""
+    train, valid = curve["train"], curve["valid"]
+    best = min(valid, key=lambda p: p["loss"]) if valid else None
+    return {
+        "updates": train[-1]["update"] if train else 0,
+        "final_train_loss": _fmt(train[-1]["loss"]) if train else "",
+        "final_train_nll": _fmt(train[-1]["nll"]) if train else "",
+        "min_train_nll": _fmt(min(p["nll"] for p in train)) if train else "",
+        "best_valid_loss": _fmt(best["loss"]) if best else "",
+        "best_valid_nll": _fmt(best["nll"]) if best else "",
+        "best_valid_ppl": _fmt(best["ppl"], 1) if best else "",
+    }
+
+
 def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions="sinusoidal"):
+    """Train one run (or reuse, resume or continue its training), score and probe it, and
+    return its CSV row; None when fairseq-train failed other than by a NaN (a rerun retries
+    it)."""
     enc, dec = parse_depth(depth)
     key = run_key(scheme, depth, seed, args, positions)
     run_dir = args.out / "runs" / run_folder(key)
@@ -330,26 +367,9 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
         return None
     status, reason = classify(curve, crashed_nan, unigram_bits, args.stuck_bits,
                               args.diverge_bits)
-    updates = curve["train"][-1]["update"] if curve["train"] else 0
-    bleu, sig, gen_wall, gen_cmd = float("nan"), "", 0.0, ""
-    if (save_dir / "checkpoint_best.pt").is_file():
-        try:
-            bleu, sig, gen_wall, gen_cmd = generate(args, root, save_dir, run_dir, env)
-        except RuntimeError as err:
-            log(str(err))
-    shortcuts = {}
-    if (save_dir / "checkpoint_last.pt").is_file():
-        shortcuts = final_shortcuts(save_dir / "checkpoint_last.pt")
-    probed = probe_run(root, save_dir, env)
-    if not args.keep_checkpoints:
-        shutil.rmtree(save_dir, ignore_errors=True)
-    valid = curve["valid"]
-    best = min(valid, key=lambda p: p["loss"]) if valid else None
-    train = curve["train"]
-
-    def fmt(v, nd=3):
-        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
-
+    ev = _evaluate(args, root, save_dir, run_dir, env)
+    losses = _curve_columns(curve)
+    updates = losses["updates"]
     row = {
         "key": key, "study": study_name(args), "scheme": scheme, "positions": positions,
         "depth": depth, "encoder_layers": enc,
@@ -357,145 +377,23 @@ def one_run(args, root, scheme, depth, seed, unigram_bits, study_cmd, positions=
         "embed_dim": args.embed_dim, "ffn_dim": args.ffn_dim, "heads": args.heads,
         "lr": f"{args.lr:g}", "warmup": args.warmup, "max_tokens": args.max_tokens,
         "dropout": args.dropout, "clip_norm": f"{args.clip_norm:g}", "status": status,
-        "reason": reason, "updates": updates,
-        "final_train_loss": fmt(train[-1]["loss"]) if train else "",
-        "final_train_nll": fmt(train[-1]["nll"]) if train else "",
-        "min_train_nll": fmt(min(p["nll"] for p in train)) if train else "",
-        "best_valid_loss": fmt(best["loss"]) if best else "",
-        "best_valid_nll": fmt(best["nll"]) if best else "",
-        "best_valid_ppl": fmt(best["ppl"], 1) if best else "",
-        "unigram_entropy_bits": fmt(unigram_bits),
-        "bleu": fmt(bleu, 2), "bleu_signature": sig,
-        "distinct_hyps": distinct_translations(run_dir / f"test.hyp.{TGT}") if sig else "",
-        "train_wall_s": fmt(wall, 1), "updates_per_s": fmt(updates / wall if wall else 0.0),
-        "generate_wall_s": fmt(gen_wall, 1), "threads": args.threads, "cpu": cpu_name(),
+        "reason": reason, **losses,
+        "unigram_entropy_bits": _fmt(unigram_bits),
+        "bleu": _fmt(ev["bleu"], 2), "bleu_signature": ev["sig"],
+        "distinct_hyps": distinct_translations(run_dir / f"test.hyp.{TGT}") if ev["sig"] else "",
+        "train_wall_s": _fmt(wall, 1), "updates_per_s": _fmt(updates / wall if wall else 0.0),
+        "generate_wall_s": _fmt(ev["gen_wall"], 1), "threads": args.threads, "cpu": cpu_name(),
         "finished_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "study_command": study_cmd, "train_command": cmd_text, "generate_command": gen_cmd,
+        "study_command": study_cmd, "train_command": cmd_text, "generate_command": ev["gen_cmd"],
         "curve_file": str((run_dir / "curve.json").relative_to(args.out)),
-        "final_shortcuts": json.dumps(shortcuts, sort_keys=True) if shortcuts else "",
+        "final_shortcuts": json.dumps(ev["shortcuts"], sort_keys=True) if ev["shortcuts"] else "",
         "validate_every": getattr(args, "validate_every", 0) or "",
         "resumed_at": segments.resumed_at(run_dir),
         **diagnostics(SCHEMES[scheme], "".join(t for _, t in segments.texts(run_dir)), enc,
-                      dec, omega_file, curve, args.warmup, probed),
+                      dec, omega_file, curve, args.warmup, ev["probed"]),
     }
     log(f"{key}: {status} ({reason}); BLEU {row['bleu']}; {row['updates_per_s']} updates/s")
     return row
-
-
-@contextlib.contextmanager
-def claim(out: Path, key: str):
-    """Yield whether this process holds the run ``key`` (an exclusive, non-blocking lock on
-    ``OUT/runs/<run>.lock`` for as long as the run takes): two study processes on one output
-    folder never train the same run; the lock goes with the process, however it ends."""
-    import fcntl
-
-    path = out / "runs" / (re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-
-
-def run_grid(args, root, grid, unigram_bits, study_cmd, csv_path) -> None:
-    """Run the grid's missing runs, ``--jobs`` at a time, in grid order.
-
-    A variant whose flags this checkout's fairseq-train does not know is passed over (and
-    asked about again ten minutes later, so that code landing while a long grid runs is
-    picked up); what is left is listed as missing and a later call runs it."""
-    import threading
-
-    done = {r["key"] for r in read_rows(csv_path)}
-    pending = [g for g in grid if item_key(g, args) not in done]
-    log(f"grid: {len(grid)} runs, {len(grid) - len(pending)} already in {csv_path}")
-    lock = threading.Lock()
-    env = fairseq_env(args.threads)
-    known = {}  # (scheme, positions) -> (time asked, missing flags)
-    helps = {}  # chosen optimizer -> fairseq-train's help text, dropped when asked again
-    running, failed, elsewhere = [], [], []
-
-    def waits(item) -> bool:
-        # a longer run of a cell continues its shorter run: not before that one is done (and
-        # not in this call when the shorter one failed or another study process runs it)
-        return any(o[:4] == item[:4] and len(o) > 4 and len(item) > 4 and o[4] < item[4]
-                   for o in pending + running + failed + elsewhere)
-
-    def next_item():
-        while True:
-            with lock:
-                blocked = False
-                for item in list(pending):
-                    if waits(item):
-                        blocked = True
-                        continue
-                    variant = (item[0], item[3])
-                    asked, missing = known.get(variant, (None, None))
-                    if asked is None or (missing and time.time() - asked > 600):
-                        if asked is not None:
-                            helps.clear()
-                        missing = unsupported_flags(*variant, env, helps)
-                        known[variant] = (time.time(), missing)
-                        if missing:
-                            log(f"passing over {variant[0]} / {variant[1]}: this checkout's "
-                                f"fairseq-train does not know {', '.join(missing)}")
-                    if not missing:
-                        pending.remove(item)
-                        running.append(item)
-                        return item
-                if not (blocked and running):
-                    return None
-            time.sleep(30)
-
-    def record(row) -> None:
-        with lock:
-            append_row(csv_path, row)
-            rows = read_rows(csv_path)
-            done_keys = {r["key"] for r in rows}
-            missing = [(study_name(item_args(args, g)), *g[:4]) for g in grid
-                       if item_key(g, args) not in done_keys]
-            write_table(rows, args.out / "results_table.md", missing)
-            write_plot(rows, args.out, args.out / "depth_study_loss.png",
-                       args.publish or REPO / "docs")
-
-    def worker():
-        while (item := next_item()) is not None:
-            scheme, depth, seed, pos = item[:4]
-            run_args = item_args(args, item)
-            key = item_key(item, args)
-            try:
-                # the claim is held until the row is in the CSV: another process that
-                # reaches this run sees either the lock or the row
-                with claim(args.out, key) as mine:
-                    if not mine or key in {r["key"] for r in read_rows(csv_path)}:
-                        log(f"run {key}: running or done in another study process; skipped")
-                        if not mine:
-                            elsewhere.append(item)
-                        continue
-                    row = one_run(run_args, root, scheme, depth, seed, unigram_bits,
-                                  study_cmd, pos)
-                    if row is not None:
-                        record(row)
-                    else:
-                        failed.append(item)
-            except Exception:  # one broken run must not end the grid; it stays missing
-                import traceback
-
-                failed.append(item)
-                log(f"run {item} failed, not recorded (a rerun retries it):\n"
-                    + traceback.format_exc())
-                continue
-            finally:
-                with lock:
-                    running.remove(item)
-
-    threads = [threading.Thread(target=worker) for _ in range(args.jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def backfill(args, root: Path, csv_path: Path) -> None:
