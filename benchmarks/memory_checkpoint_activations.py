@@ -54,14 +54,14 @@ def _rss_now_kib() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def worker(a) -> dict:
-    """Build the model, take one step, return the figures (runs in a child process)."""
+def _build(a):
+    """The model and criterion of ``a``'s scheme and setting, with a dictionary of
+    ``a.vocab`` words (all the translation task needs here)."""
     import torch
     from fairseq import options, tasks
 
-    torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as data:
-        for lang in ("src", "tgt"):  # a dictionary is all the translation task needs here
+        for lang in ("src", "tgt"):
             Path(data, f"dict.{lang}.txt").write_text(
                 "".join(f"w{i} 1\n" for i in range(a.vocab)))
         d = a.embed_dim
@@ -81,35 +81,31 @@ def worker(a) -> dict:
             argv.append("--cpu")
         args = options.parse_args_and_arch(options.get_training_parser(), argv)
         task = tasks.setup_task(args)
-        model = task.build_model(args)
-        criterion = task.build_criterion(args)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).train()
-    n_params = sum(p.numel() for p in model.parameters())
-    lo, hi = task.source_dictionary.nspecial, len(task.source_dictionary)
-    eos = task.source_dictionary.eos()
+        return task, task.build_model(args), task.build_criterion(args)
 
-    def batch(bsz, length, seed):
-        g = torch.Generator().manual_seed(seed)
-        src = torch.randint(lo, hi, (bsz, length), generator=g)
-        tgt = torch.randint(lo, hi, (bsz, length), generator=g)
-        src[:, -1] = tgt[:, -1] = eos
-        prev = torch.cat([tgt[:, -1:], tgt[:, :-1]], dim=1)
-        return {
-            "net_input": {"src_tokens": src.to(device),
-                          "src_lengths": torch.full((bsz,), length).to(device),
-                          "prev_output_tokens": prev.to(device)},
-            "target": tgt.to(device), "ntokens": tgt.numel(), "nsentences": bsz,
-        }
 
-    # warm-up on a 1 x 4 batch: allocates the gradients and pages in the backward code of
-    # the libraries, so the measured step below counts activations and temporaries only
-    criterion(model, batch(1, 4, 0))[0].backward()
-    for prm in model.parameters():
-        if prm.grad is not None:
-            prm.grad.zero_()
-    sample = batch(a.batch, a.tokens, 1)
-    torch.manual_seed(2)  # same dropout masks in every setting
+def _random_batch(dictionary, bsz: int, length: int, seed: int, device) -> dict:
+    """A ``bsz`` x ``length`` batch of random words, each sentence ending in EOS."""
+    import torch
+
+    lo, hi, eos = dictionary.nspecial, len(dictionary), dictionary.eos()
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(lo, hi, (bsz, length), generator=g)
+    tgt = torch.randint(lo, hi, (bsz, length), generator=g)
+    src[:, -1] = tgt[:, -1] = eos
+    prev = torch.cat([tgt[:, -1:], tgt[:, :-1]], dim=1)
+    return {
+        "net_input": {"src_tokens": src.to(device),
+                      "src_lengths": torch.full((bsz,), length).to(device),
+                      "prev_output_tokens": prev.to(device)},
+        "target": tgt.to(device), "ntokens": tgt.numel(), "nsentences": bsz,
+    }
+
+
+def _peak_of_step(model, criterion, sample, device):
+    """``(loss, peak bytes, what was measured)`` of one forward and backward on ``sample``."""
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -121,20 +117,39 @@ def worker(a) -> dict:
             before_hw = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         else:
             before_hw = before
-    t0 = time.perf_counter()
     loss = criterion(model, sample)[0]
     loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        kind = "cuda max_memory_allocated above the pre-step allocation"
-    else:
-        high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if high <= before_hw:
-            raise RuntimeError("the measured step did not raise the RSS high-water mark; "
-                               "use a larger --batch/--tokens")
-        peak = high - before
-        kind = "cpu peak RSS (ru_maxrss) above the pre-step RSS"
+        return loss, torch.cuda.max_memory_allocated() - before, \
+            "cuda max_memory_allocated above the pre-step allocation"
+    high = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if high <= before_hw:
+        raise RuntimeError("the measured step did not raise the RSS high-water mark; "
+                           "use a larger --batch/--tokens")
+    return loss, high - before, "cpu peak RSS (ru_maxrss) above the pre-step RSS"
+
+
+def worker(a) -> dict:
+    """Build the model, take one step, return the figures (runs in a child process)."""
+    import torch
+
+    torch.manual_seed(0)
+    task, model, criterion = _build(a)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    dictionary = task.source_dictionary
+    # warm-up on a 1 x 4 batch: allocates the gradients and pages in the backward code of
+    # the libraries, so the measured step below counts activations and temporaries only
+    criterion(model, _random_batch(dictionary, 1, 4, 0, device))[0].backward()
+    for prm in model.parameters():
+        if prm.grad is not None:
+            prm.grad.zero_()
+    sample = _random_batch(dictionary, a.batch, a.tokens, 1, device)
+    torch.manual_seed(2)  # same dropout masks in every setting
+    t0 = time.perf_counter()
+    loss, peak, kind = _peak_of_step(model, criterion, sample, device)
     seconds = time.perf_counter() - t0
     return {"scheme": a.scheme, "setting": a.setting, "peak_bytes": peak,
             "params": n_params, "seconds": seconds,

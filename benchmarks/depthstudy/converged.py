@@ -312,32 +312,45 @@ def read_speed(path: Path):
 
 
 def speed_lines(speed_rows):
-    """The latest timing run's CTranslate2 rows at one thread: sentences/s at batch 64, ms per
-    sentence at batch 1, each with its ratio to the run's 6L-6L of the same scheme."""
-    rows = [r for r in speed_rows if r["engine"].startswith("CTranslate2") and r["threads"] == "1"]
-    if not rows:
+    """The latest timing run's rows at one thread: the model's BLEU (fairseq + plugin, the
+    study's decoding) beside CTranslate2 int8's, sentences/s at batch 64 and ms per sentence
+    at batch 1, each with its speed ratio to the run's 6L-6L of the same scheme."""
+    rows = [r for r in speed_rows if r["threads"] == "1"]
+    ct2 = [r for r in rows if r["engine"].startswith("CTranslate2")]
+    if not ct2:
         return ["Not timed yet: `python benchmarks/deploy_speed.py --study-out runs/depth_study "
                 "--plan converged --threads 1` times the grid's models once they are trained."]
-    run = max(r["run"] for r in rows)
-    rows = [r for r in rows if r["run"] == run]
-    key = lambda r: (r["scheme"], r["shape"], r["precision"], r["batch"])  # noqa: E731
-    by = {key(r): r for r in rows}
-    lines = [f"Timing run `{run}` ({rows[0]['cpu']}, one thread, alone on the machine):", "",
-             "| scheme | shape | seed | BLEU | status | int8 sent/s (x 6L-6L) | float32 sent/s "
-             "(x 6L-6L) | int8 ms/sentence at batch 1 |", "|---|---|---|---|---|---|---|---|"]
-    cells = sorted({(r["scheme"], r["shape"]) for r in rows},
+    run = max(r["run"] for r in ct2)
+    rows, ct2 = ([r for r in x if r["run"] == run] for x in (rows, ct2))
+    by = {(r["scheme"], r["shape"], r["engine"].startswith("CTranslate2"), r["precision"],
+           r["batch"]): r for r in rows}
+    lines = [f"Timing run `{run}` ({ct2[0]['cpu']}, one thread, alone on the machine):", "",
+             "| scheme | shape | seed | BLEU | int8 BLEU | status | int8 sent/s (x 6L-6L) | "
+             "float32 sent/s (x 6L-6L) | int8 ms/sentence at batch 1 (speed x 6L-6L) |",
+             "|---|---|---|---:|---:|---|---|---|---|"]
+    cells = sorted({(r["scheme"], r["shape"]) for r in ct2},
                    key=lambda c: (SCHEMES.index(c[0]) if c[0] in SCHEMES else 9,
                                   DEPTHS.index(c[1]) if c[1] in DEPTHS else 9))
     for s, d in cells:
-        i8, f32, lat = (by.get((s, d, p, b)) for p, b in
+        plugin = by.get((s, d, False, "float32", "64"))
+        i8, f32, lat = (by.get((s, d, True, p, b)) for p, b in
                         (("int8", "64"), ("float32", "64"), ("int8", "1")))
         any_ = i8 or f32 or lat
-        fmt = lambda r: f"{r['sentences_per_s']} (x {r['ratio_to_6l6l'] or '-'})" \
-            if r else "-"  # noqa: E731
-        lines.append(f"| {s} | {d} | {any_['seed']} | {any_['bleu']} | {any_['train_status']} | "
-                     f"{fmt(i8)} | {fmt(f32)} | {lat['ms_per_sentence'] if lat else '-'} |")
-    lines += ["", fastest_line(rows)]
+        lines.append(f"| {s} | {d} | {any_['seed']} | {plugin['bleu'] if plugin else '-'} | "
+                     f"{i8['bleu'] if i8 else '-'} | {any_['train_status']} | "
+                     f"{_speed(i8, 'sentences_per_s', 1)} | {_speed(f32, 'sentences_per_s', 1)} "
+                     f"| {_speed(lat, 'ms_per_sentence', 2)} |")
+    lines += ["", "BLEU: sacreBLEU of the model's own test translations (fairseq-generate with "
+              "the plugin); int8 BLEU: of the timed CTranslate2 int8 translations.", "",
+              fastest_line(ct2)]
     return lines
+
+
+def _speed(row, field: str, digits: int) -> str:
+    """``row[field]`` rounded, with the row's speed ratio to 6L-6L; ``-`` without a row."""
+    if not row:
+        return "-"
+    return f"{float(row[field]):.{digits}f} (x {row['ratio_to_6l6l'] or '-'})"
 
 
 def fastest_line(rows):
@@ -349,6 +362,7 @@ def fastest_line(rows):
     best = max(int8, key=lambda r: float(r["bleu"]))
     near = [r for r in int8 if float(r["bleu"]) >= float(best["bleu"]) - WITHIN_BLEU]
     fast = max(near, key=lambda r: float(r["sentences_per_s"]))
-    return (f"Best BLEU: {best['scheme']} {best['shape']} {best['bleu']}. Fastest within "
+    return (f"Best int8 BLEU: {best['scheme']} {best['shape']} {best['bleu']}. Fastest within "
             f"{WITHIN_BLEU} BLEU of it (CTranslate2 int8, batch 64): {fast['scheme']} "
-            f"{fast['shape']}, {fast['bleu']} BLEU, {fast['sentences_per_s']} sentences/s.")
+            f"{fast['shape']}, {fast['bleu']} BLEU, {float(fast['sentences_per_s']):.1f} "
+            "sentences/s.")

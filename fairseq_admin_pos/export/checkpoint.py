@@ -42,7 +42,7 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -406,6 +406,55 @@ def _tmp_file(near: Path) -> Path:
     return Path(name)
 
 
+def _check_paths(checkpoint: str, out: str, ctranslate2: Optional[str],
+                 quantization: Optional[str]) -> Tuple[Path, Path, Optional[Path]]:
+    """Refuse, before anything is loaded, paths an export cannot be written to; returns
+    the checkpoint's, the export's and the CTranslate2 folder's paths."""
+    source, out_path = Path(checkpoint), Path(out)
+    ct2_path = Path(ctranslate2) if ctranslate2 else None
+    if not source.is_file():
+        raise ExportError(f"CHECKPOINT {checkpoint}: no such file")
+    if not out_path.parent.is_dir():
+        raise ExportError(f"--out {out}: folder {out_path.parent} does not exist")
+    if out_path.exists() and out_path.is_dir():
+        raise ExportError(f"--out {out} is a folder; give the file name of the export")
+    if out_path.resolve() == source.resolve():
+        raise ExportError("--out is CHECKPOINT itself; write the export to another file")
+    if quantization is not None and ct2_path is None:
+        raise ExportError("--quantization applies to the CTranslate2 model: add --ctranslate2 DIR")
+    if ct2_path is not None:
+        if ct2_path.exists() and (not ct2_path.is_dir() or any(ct2_path.iterdir())):
+            raise ExportError(f"--ctranslate2 {ctranslate2} exists and is not an empty folder; "
+                              "remove it or choose another")
+        if not ct2_path.parent.is_dir():
+            raise ExportError(f"--ctranslate2 {ctranslate2}: folder {ct2_path.parent} does "
+                              "not exist")
+    return source, out_path, ct2_path
+
+
+def _write_ctranslate2(raw, model, cfg, layout, source: Path, fold, tmp: Path, out_path: Path,
+                       ct2_path: Path, tmp_dir: Path, data_dir: str, quantization: Optional[str],
+                       scalar_fold: str, tmp_files: List[Path], log) -> None:
+    """Convert the checked stock checkpoint ``tmp`` into ``ct2_path`` through the caller's
+    temporary folder ``tmp_dir`` beside it (renamed at the end; the caller removes the
+    rest). Extra temporary files are appended to ``tmp_files`` for the caller to remove."""
+    ct2_source = tmp
+    if set(fold.positions.values()) == {"none"}:
+        # CTranslate2's converter refuses --no-token-positional-embeddings: it
+        # converts the same model with all-zero learned position tables
+        zstate, _ = _export_state(raw, model, cfg, layout, source,
+                                  none_as_zero_table=True, scalar_fold=scalar_fold)
+        ct2_source = _tmp_file(out_path)
+        tmp_files.append(ct2_source)
+        _save_checked(zstate, ct2_source)
+        log("no positions on either side: CTranslate2 gets all-zero learned position "
+            "tables (its converter refuses --no-token-positional-embeddings)")
+    _convert_ctranslate2(ct2_source, data_dir, tmp_dir / "model", quantization)
+    if ct2_path.exists():
+        ct2_path.rmdir()  # empty (checked before the export began)
+    os.rename(tmp_dir / "model", ct2_path)
+
+
 def export(checkpoint: str, out: str, data: Optional[str] = None,
            ctranslate2: Optional[str] = None, quantization: Optional[str] = None,
            scalar_fold: str = "output", log=print) -> ExportReport:
@@ -419,25 +468,7 @@ def export(checkpoint: str, out: str, data: Optional[str] = None,
     with one-line messages; on any failure nothing is left at ``out`` or ``ctranslate2``
     (an existing ``out`` stays as it was).
     """
-    source, out_path = Path(checkpoint), Path(out)
-    if not source.is_file():
-        raise ExportError(f"CHECKPOINT {checkpoint}: no such file")
-    if not out_path.parent.is_dir():
-        raise ExportError(f"--out {out}: folder {out_path.parent} does not exist")
-    if out_path.exists() and out_path.is_dir():
-        raise ExportError(f"--out {out} is a folder; give the file name of the export")
-    if out_path.resolve() == source.resolve():
-        raise ExportError("--out is CHECKPOINT itself; write the export to another file")
-    ct2_path = Path(ctranslate2) if ctranslate2 else None
-    if quantization is not None and ct2_path is None:
-        raise ExportError("--quantization applies to the CTranslate2 model: add --ctranslate2 DIR")
-    if ct2_path is not None:
-        if ct2_path.exists() and (not ct2_path.is_dir() or any(ct2_path.iterdir())):
-            raise ExportError(f"--ctranslate2 {ctranslate2} exists and is not an empty folder; "
-                              "remove it or choose another")
-        if not ct2_path.parent.is_dir():
-            raise ExportError(f"--ctranslate2 {ctranslate2}: folder {ct2_path.parent} does "
-                              "not exist")
+    source, out_path, ct2_path = _check_paths(checkpoint, out, ctranslate2, quantization)
 
     raw, model, cfg, task = _load_original(source, data)
     layout = model_layout(model, cfg.model)
@@ -460,22 +491,9 @@ def export(checkpoint: str, out: str, data: Optional[str] = None,
                               f"differ from the original's by {diff:.3g} (> "
                               f"{SELF_CHECK_TOLERANCE:g}); nothing written. Please report it")
         if ct2_path is not None:
-            ct2_source = tmp
-            if set(fold.positions.values()) == {"none"}:
-                # CTranslate2's converter refuses --no-token-positional-embeddings: it
-                # converts the same model with all-zero learned position tables
-                zstate, _ = _export_state(raw, model, cfg, layout, source,
-                                          none_as_zero_table=True, scalar_fold=scalar_fold)
-                ct2_source = _tmp_file(out_path)
-                tmp_files.append(ct2_source)
-                _save_checked(zstate, ct2_source)
-                log("no positions on either side: CTranslate2 gets all-zero learned position "
-                    "tables (its converter refuses --no-token-positional-embeddings)")
             tmp_dir = Path(tempfile.mkdtemp(dir=ct2_path.parent, prefix=f".{ct2_path.name}."))
-            _convert_ctranslate2(ct2_source, data_dir, tmp_dir / "model", quantization)
-            if ct2_path.exists():
-                ct2_path.rmdir()  # empty (checked above)
-            os.rename(tmp_dir / "model", ct2_path)
+            _write_ctranslate2(raw, model, cfg, layout, source, fold, tmp, out_path, ct2_path,
+                               tmp_dir, data_dir, quantization, scalar_fold, tmp_files, log)
         os.replace(tmp, out_path)
         tmp_files.remove(tmp)
     finally:

@@ -91,11 +91,10 @@ from fairseq_admin_pos.models.b2t_resi_dual import (
     ResiDualEncoderLayer,
     ResiDualEncoderStack,
 )
+from fairseq_admin_pos.models.host_sync_free import HostSyncFreeDecoderBase, HostSyncFreeEncoderBase
 from fairseq_admin_pos.models.layers import (
     AdminTransformerDecoderLayer,
     AdminTransformerEncoderLayer,
-    HostSyncFreeDecoderBase,
-    HostSyncFreeEncoderBase,
 )
 from fairseq_admin_pos.models.flags import (  # noqa: F401  (importable from here, as before)
     ADMIN_INIT_CHOICES,
@@ -219,7 +218,7 @@ def _wrap_layer(cfg, layer: nn.Module) -> nn.Module:
 
 class AdminTransformerEncoder(HostSyncFreeEncoderBase):
     """fairseq's Transformer encoder with Admin residuals and the chosen positions (its
-    forward reads nothing back to the host, see ``layers.HostSyncFreeEncoderBase``)."""
+    forward reads nothing back to the host, see ``host_sync_free.HostSyncFreeEncoderBase``)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
         norms = stack_norms(cfg, "encoder")
@@ -252,7 +251,7 @@ class AdminTransformerEncoder(HostSyncFreeEncoderBase):
 
 class AdminTransformerDecoder(HostSyncFreeDecoderBase):
     """fairseq's Transformer decoder with Admin residuals and the chosen positions (its
-    forward reads nothing back to the host, see ``layers.HostSyncFreeDecoderBase``)."""
+    forward reads nothing back to the host, see ``host_sync_free.HostSyncFreeDecoderBase``)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         norms = stack_norms(cfg, "decoder")

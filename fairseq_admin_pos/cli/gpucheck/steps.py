@@ -242,20 +242,8 @@ def recipe_run(scheme: str, data_step: dict, out: Path, logs: Path, shims: Path,
         return failure(step, f"train.sh exit status {train['rc']}, {step['updates']} updates, "
                        f"checkpoint_last.pt {'saved' if ckpt.exists() else 'missing'}")
     gen_out = logs / f"{scheme}-generate.txt"
-    cmd = [sys.executable, "-m", "fairseq_cli.generate", data, "--user-dir",
-           REPO / "fairseq_admin_pos", "--path", ckpt, "--source-lang", "en", "--target-lang",
-           "de", "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--batch-size", "128",
-           # an untrained model never stops by itself: at most 1.2 x the source + 10 tokens
-           "--max-len-a", "1.2", "--max-len-b", "10", "--required-batch-size-multiple", "1",
-           "--num-workers", "0"]
-    if data_step.get("remove_bpe"):
-        cmd += ["--remove-bpe", data_step["remove_bpe"]]
-    if env_overrides.get("DEVICE") == "cpu":
-        cmd.append("--cpu")
-    gen_env = child_env(**({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
-    gen = run_process(cmd, cwd=out, env=gen_env, stdout=gen_out,
-                      stderr=logs / f"{scheme}-generate.log",
-                      timeout=max(deadline - time.monotonic(), 1))
+    gen = generate_test(data_step, ckpt, out, gen_out, logs / f"{scheme}-generate.log", gpu,
+                        deadline, cpu=env_overrides.get("DEVICE") == "cpu")
     step["generate"] = {**gen, "output": str(gen_out)}
     step["seconds"] = round(time.monotonic() - t0, 1)
     if not keep_checkpoints:
@@ -278,6 +266,25 @@ def recipe_run(scheme: str, data_step: dict, out: Path, logs: Path, shims: Path,
     step["bleu_signature"] = str(metric.get_signature())
     step["status"] = "passed"
     return step
+
+
+def generate_test(data_step: dict, ckpt: Path, out: Path, gen_out: Path, gen_log: Path,
+                  gpu: Optional[int], deadline: float, cpu: bool) -> dict:
+    """fairseq-generate of ``ckpt`` on the test split into ``gen_out`` (beam 4, lenpen 0.6,
+    until ``deadline``); returns :func:`run_process`'s record."""
+    cmd = [sys.executable, "-m", "fairseq_cli.generate", data_step["path"], "--user-dir",
+           REPO / "fairseq_admin_pos", "--path", ckpt, "--source-lang", "en", "--target-lang",
+           "de", "--gen-subset", "test", "--beam", "4", "--lenpen", "0.6", "--batch-size", "128",
+           # an untrained model never stops by itself: at most 1.2 x the source + 10 tokens
+           "--max-len-a", "1.2", "--max-len-b", "10", "--required-batch-size-multiple", "1",
+           "--num-workers", "0"]
+    if data_step.get("remove_bpe"):
+        cmd += ["--remove-bpe", data_step["remove_bpe"]]
+    if cpu:
+        cmd.append("--cpu")
+    gen_env = child_env(**({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
+    return run_process(cmd, cwd=out, env=gen_env, stdout=gen_out, stderr=gen_log,
+                       timeout=max(deadline - time.monotonic(), 1))
 
 
 def generated_pairs(text: str):
