@@ -164,6 +164,33 @@ def test_recipe_runs_side_by_side_as_far_as_memory_holds(memories, slots):
     assert gpu_check.recipe_slots([{"memory_gib": m} for m in memories]) == slots
 
 
+def test_recipes_run_beside_the_tests_spread_over_the_gpus(monkeypatch, tmp_path):
+    """The CUDA tests' step first, then one step per recipe scheme in order, run i on GPU
+    i mod the GPU count, at most recipe_slots() at once, each given the same phase end."""
+    import threading
+
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def fake_run(scheme, data_step, out, logs, shims, seconds, phase_end, gpu, keep):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.3)  # long enough for the pool's other worker to start
+        with lock:
+            running[0] -= 1
+        return {"name": scheme, "gpu": gpu, "phase_end": phase_end, "seconds": seconds}
+
+    monkeypatch.setattr(gpu_check, "cuda_tests", lambda logs, limit: {"name": "cuda tests"})
+    monkeypatch.setattr(gpu_check, "recipe_run", fake_run)
+    args = type("Args", (), {"train_seconds": 40.0, "keep_checkpoints": False})()
+    info = {"device_count": 2, "gpus": [{"memory_gib": 16.0}] * 2}
+    steps = gpu_check.tests_and_recipes(args, info, {}, tmp_path, tmp_path, tmp_path, 123.0)
+    assert [s["name"] for s in steps] == ["cuda tests", *gpu_check.RECIPE_SCHEMES]
+    assert [s["gpu"] for s in steps[1:]] == [i % 2 for i in range(len(gpu_check.RECIPE_SCHEMES))]
+    assert {(s["phase_end"], s["seconds"]) for s in steps[1:]} == {(123.0, 40.0)}
+    assert peak[0] == gpu_check.recipe_slots(info["gpus"]) == 2
+
+
 FAKE_BENCH = {
     "ok": "import sys, json\nargs = sys.argv[1:]\n"
           "json.dump({'data': args[args.index('--data') + 1]}, open(args[args.index('--json') + 1], 'w'))\n"

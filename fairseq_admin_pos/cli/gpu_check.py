@@ -97,6 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def tests_and_recipes(args, info: dict, data_step: dict, out: Path, logs: Path, shims: Path,
+                      phase_end: float) -> list:
+    """The CUDA tests beside the recipe runs (as many at once as :func:`recipe_slots`
+    allows, spread over the GPUs), all ending by ``phase_end``; their steps in order."""
+    n_gpus = info["device_count"]
+    slots = recipe_slots(info.get("gpus") or [])
+    pools = [concurrent.futures.ThreadPoolExecutor(1),
+             concurrent.futures.ThreadPoolExecutor(slots)]
+    try:
+        tests = pools[0].submit(cuda_tests, logs, phase_end - time.monotonic())
+        runs = [pools[1].submit(recipe_run, scheme, data_step, out, logs, shims,
+                                args.train_seconds, phase_end, i % n_gpus,
+                                args.keep_checkpoints)
+                for i, scheme in enumerate(RECIPE_SCHEMES)]
+        return [tests.result()] + [r.result() for r in runs]
+    except KeyboardInterrupt:
+        # the children run in their own sessions: Ctrl-C reached only this process
+        interrupt()
+        raise
+    finally:
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     start, started = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
@@ -122,25 +146,7 @@ def main(argv=None) -> int:
     say(f"data: {data_step.get('source')} {data_step.get('path')} ({data_step['status']})")
     if data_step["status"] == "passed":
         phase_end = time.monotonic() + min(PHASE_LIMIT, deadline - time.monotonic() - 60)
-        n_gpus = info["device_count"]
-        slots = recipe_slots(info.get("gpus") or [])
-        pools = [concurrent.futures.ThreadPoolExecutor(1),
-                 concurrent.futures.ThreadPoolExecutor(slots)]
-        try:
-            tests = pools[0].submit(cuda_tests, logs, phase_end - time.monotonic())
-            runs = [pools[1].submit(recipe_run, scheme, data_step, out, logs, shims,
-                                    args.train_seconds, phase_end, i % n_gpus,
-                                    args.keep_checkpoints)
-                    for i, scheme in enumerate(RECIPE_SCHEMES)]
-            steps.append(tests.result())
-            steps += [r.result() for r in runs]
-        except KeyboardInterrupt:
-            # the children run in their own sessions: Ctrl-C reached only this process
-            interrupt()
-            raise
-        finally:
-            for pool in pools:
-                pool.shutdown(wait=True, cancel_futures=True)
+        steps += tests_and_recipes(args, info, data_step, out, logs, shims, phase_end)
         for s in steps[1:]:
             say(f"{s['name']}: {s['status']} in {s.get('seconds', 0):.0f} s ({step_result(s)})")
         steps.append(benchmark(Path(data_step["path"]), out, logs,
