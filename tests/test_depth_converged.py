@@ -39,7 +39,7 @@ def page(tmp_path):
             # 18L-18L beyond 6L-6L's spread; 12L-1L within it; pre-ln 12L-1L one seed
             _row("admin", "18L-18L", 1, 2400, 32.9), _row("admin", "18L-18L", 2, 2400, 32.1),
             _row("admin", "12L-1L", 1, 2400, 30.1), _row("admin", "12L-1L", 2, 2400, 31.3),
-            _row("pre-ln", "12L-1L", 1, 2400, 29.0)]
+            _row("pre-ln", "12L-1L", 1, 2400, 29.0), _row("pre-ln", "48L-1L", 1, 4800, 13.0)]
     curves = {
         # validation nll rises after its best: over-fitting
         rows[0]["key"]: dict(train=[], valid=[dict(update=u, nll=n, loss=n, ppl=1) for u, n in
@@ -55,6 +55,9 @@ def page(tmp_path):
         rows[3]["key"]: dict(train=[dict(update=u, loss=1, nll=1, enc_tok_cos=c) for u, c in
                                     ((1000, 0.95), (2010, 0.5), (2400, 0.4))],
                              valid=[dict(update=2400, nll=3.5, loss=3.5, ppl=1)]),
+        rows[-1]["key"]: dict(train=[dict(update=u, loss=1, nll=1, enc_tok_cos=c) for u, c in
+                                     ((1000, 0.95), (2010, 0.5), (2400, 0.4), (4800, 0.3))],
+                              valid=[dict(update=4800, nll=3.4, loss=3.4, ppl=1)]),
     }
     for r in rows:
         if r["key"] in curves:
@@ -135,11 +138,13 @@ def test_nll_block_tells_over_fitting_from_under_training(page):
 def test_collapse_block_replays_the_monitor_warning(page):
     block = _block(page, "collapse")
     # whole logged intervals above 0.9 after the 2000-update warmup start at update 2010
-    assert "| admin | 1 | 1.50 | stuck | 0.990 (2020) | 0.980 | 2010 |" in block
-    assert "| pre-ln | 1 | 12.00 | trained | 0.950 (1000) | 0.400 | not warned |" in block
-    # the two 6L-6L courses have no enc_tok_cos: two runs replayed, one failed and warned
-    assert ("(2 runs, none of them among those it was set on): it warned for 1 of 1 failed "
-            "runs and for 0 of 1 runs that trained.") in block
+    assert "| admin | 1 | 2400 | 1.50 | stuck | 0.990 (2020) | 0.980 | 2010 |" in block
+    assert "| pre-ln | 1 | 2400 | 12.00 | trained | 0.950 (1000) | 0.400 | not warned |" in block
+    # pre-ln 48L-1L's 4800-update run continues its 2400-update run: one course, its own row
+    assert "| pre-ln | 1 | 4800 | 13.00 | trained | 0.950 (1000) | 0.300 | not warned |" in block
+    # the 6L-6L courses have no enc_tok_cos: two courses replayed, one failed and warned
+    assert ("(2 courses, none of them among those the rule was set on): it warned for 1 of 1 "
+            "that failed and for 0 of 1 that trained.") in block
 
 
 def test_readme_answers_follow_the_rule_on_the_cells(page):
@@ -180,6 +185,18 @@ def test_speed_block_shows_the_latest_runs_one_thread_rows(page):
     # best BLEU 32.90 (18L-18L); within 0.5 of it only 18L-18L itself; 48L-1L failed
     assert ("Best int8 BLEU: admin 18L-18L 32.90. Fastest within 0.5 BLEU of it (CTranslate2 "
             "int8, batch 64): admin 18L-18L, 32.90 BLEU, 70.0 sentences/s.") in block
+
+
+def test_a_cell_not_yet_at_the_grid_length_answers_from_its_shorter_runs():
+    rows = [_row("admin", "48L-1L", 1, 2400, 31.5),
+            _row("pre-ln", "48L-1L", 1, 2400, 1.2, status="stuck"),
+            _row("pre-ln", "48L-1L", 1, 4800, 1.4, status="stuck")]
+    text = "\n".join(converged.answer_lines(rows, updates=4800))
+    assert ("admin 48L-1L: not run to 4800 updates yet; at 2400: 0 of 1 runs failed "
+            "(BLEU 31.50).") in text
+    # a run at the grid's length is answered from alone
+    assert "pre-ln 48L-1L: 1 of 1 runs failed (BLEU 1.40)." in text
+    assert "Post-LN 18L-18L (failed in the paper): not run yet." in text
 
 
 def test_fastest_within_half_a_bleu_is_the_fastest_near_model():

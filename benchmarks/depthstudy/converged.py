@@ -158,26 +158,30 @@ def nll_lines(rows, curve_of):
 
 
 def collapse_lines(rows, curve_of):
-    """The 48L-1L runs' courses, then the monitor's rule replayed over every run of the page."""
-    lines = ["| scheme | seed | BLEU | outcome | peak enc_tok_cos (update) | at the end | "
-             "monitor warned at |", "|---|---|---|---|---|---|---|"]
-    replayed = []
-    for r in sorted(rows, key=lambda r: (r["depth"] != "48L-1L", r["scheme"], int(r["seed"]))):
+    """The 48L-1L runs' courses, then the monitor's rule replayed over every course of the
+    page: one per scheme, depth and seed, the longest run's (a longer run continues the
+    shorter one, so its logged course holds the shorter one's)."""
+    lines = ["| scheme | seed | updates | BLEU | outcome | peak enc_tok_cos (update) | at the end "
+             "| monitor warned at |", "|---|---|---|---|---|---|---|---|"]
+    courses = {}
+    key = lambda r: (r["depth"] != "48L-1L", r["scheme"], int(r["seed"]), int(r["max_update"]))
+    for r in sorted(rows, key=key):
         path = curve_of(r)
         c = course(json.loads(path.read_text())["train"], int(r["warmup"])) if path else None
         if c is None:
             continue
-        replayed.append((bool(failure(r)), c["warned"] is not None))
+        # sorted by length: the longest run of a course is the one kept
+        courses[(r["scheme"], r["depth"], r["seed"])] = (bool(failure(r)), c["warned"] is not None)
         if r["depth"] == "48L-1L":
-            lines.append(f"| {r['scheme']} | {r['seed']} | {r['bleu']} | "
+            lines.append(f"| {r['scheme']} | {r['seed']} | {r['max_update']} | {r['bleu']} | "
                          f"{failure(r) or 'trained'} | {c['peak'][1]:.3f} ({c['peak'][0]}) | "
                          f"{c['end'][1]:.3f} | {c['warned'] or 'not warned'} |")
-    failed = [w for f, w in replayed if f]
-    trained = [w for f, w in replayed if not f]
-    lines += ["", f"The rule replayed over every run of this page with a logged course "
-              f"({len(replayed)} runs, none of them among those it was set on): it warned for "
-              f"{sum(failed)} of {len(failed)} failed runs and for {sum(trained)} of "
-              f"{len(trained)} runs that trained."]
+    failed = [w for f, w in courses.values() if f]
+    trained = [w for f, w in courses.values() if not f]
+    lines += ["", f"The rule replayed over every logged training course of this page, one per "
+              f"scheme, depth and seed, each to its longest run's end ({len(courses)} courses, "
+              f"none of them among those the rule was set on): it warned for {sum(failed)} of "
+              f"{len(failed)} that failed and for {sum(trained)} of {len(trained)} that trained."]
     return lines
 
 
@@ -268,10 +272,15 @@ def compare(base, other, base_name, other_name):
                   f"(std {spread:.2f})"
 
 
-def _failed(rs):
-    bad = [r for r in rs if failure(r)]
+def _failed(rs, shorter=(), updates=None):
+    """How many of ``rs`` failed; without any, the same of ``shorter`` (the cell's runs at
+    the longest length below ``updates``), said to be at their own length."""
     if not rs:
-        return "not run yet"
+        if not shorter:
+            return "not run yet"
+        return (f"not run to {updates} updates yet; at {shorter[0]['max_update']}: "
+                f"{_failed(shorter)}")
+    bad = [r for r in rs if failure(r)]
     return f"{len(bad)} of {len(rs)} runs failed (BLEU {', '.join(r['bleu'] for r in rs)})"
 
 
@@ -279,6 +288,10 @@ def answer_lines(rows, updates=CONVERGED_UPDATES):
     """The three questions of the converged table, answered from ``rows`` alone."""
     def cell(s, d):
         return _cell(rows, s, d, updates)
+
+    def failed(s, d):
+        lengths = [n for n in CONVERGED_LENGTHS if n < updates and _cell(rows, s, d, n)]
+        return _failed(cell(s, d), _cell(rows, s, d, max(lengths)) if lengths else (), updates)
 
     def vs(s, base, other):
         return f"  - {compare(cell(s, base), cell(s, other), base, f'{s} {other}')}."
@@ -288,13 +301,13 @@ def answer_lines(rows, updates=CONVERGED_UPDATES):
     return [f"At this schedule ({updates} updates), in BLEU; a difference counts when both cells "
             f"have two seeds and it exceeds {GAIN_BLEU} and their larger std:", "",
             f"- **Does depth pay?** Post-LN {post} (failed in the paper): "
-            f"{_failed(cell('post-ln', post))}.",
+            f"{failed('post-ln', post)}.",
             *(vs(s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")
               if (s, d) in grid),
             "- **Does 12L-1L match 6L-6L?**",
             *(vs(s, "6L-6L", "12L-1L") for s in ("admin", "pre-ln")),
             "- **Does Admin collapse at 48L-1L?**",
-            *(f"  - {s} 48L-1L: {_failed(cell(s, '48L-1L'))}." for s in ("admin", "pre-ln"))]
+            *(f"  - {s} 48L-1L: {failed(s, '48L-1L')}." for s in ("admin", "pre-ln"))]
 
 
 # --------------------------------------------------------------------------- deployed speed
