@@ -197,6 +197,11 @@ def test_a_cell_not_yet_at_the_grid_length_answers_from_its_shorter_runs():
     # a run at the grid's length is answered from alone
     assert "pre-ln 48L-1L: 1 of 1 runs failed (BLEU 1.40)." in text
     assert "Post-LN 18L-18L (failed in the paper): not run yet." in text
+    # the table says the same
+    admin, pre = (next(l for l in converged.table_lines(rows, updates=4800)
+                       if l.startswith(f"| {s} |")) for s in ("admin", "pre-ln"))
+    assert admin.endswith("| not at 4800 yet (at 2400: 31.50 (n=1)) |")
+    assert pre.endswith("| 1.40 (n=1), 1 stuck |")
 
 
 def test_fastest_within_half_a_bleu_is_the_fastest_near_model():

@@ -108,8 +108,17 @@ def grid_cells(updates=CONVERGED_UPDATES):
     return {(s, d) for s, d, _, _, n in PLANS["converged"] if n == updates}
 
 
-def _cell_text(rs, paper, in_grid=True):
-    if not rs:
+def _shorter(rows, scheme, depth, updates):
+    """The cell's runs at the longest length of the plan below ``updates`` that has any."""
+    lengths = [n for n in CONVERGED_LENGTHS if n < updates and _cell(rows, scheme, depth, n)]
+    return _cell(rows, scheme, depth, max(lengths)) if lengths else []
+
+
+def _cell_text(rs, paper, in_grid=True, shorter=(), updates=None):
+    if not rs and shorter and in_grid:
+        text = (f"not at {updates} yet (at {shorter[0]['max_update']}: "
+                f"{_cell_text(shorter, None)})")
+    elif not rs:
         text = "not run yet" if in_grid else "not in the grid"
     else:
         text = _mean_spread([r["bleu"] for r in rs]).split(" (")[0] + f" (n={len(rs)})"
@@ -123,7 +132,8 @@ def table_lines(rows, updates=CONVERGED_UPDATES):
     lines = ["| scheme | " + " | ".join(DEPTHS) + " |", "|---|" + "---|" * len(DEPTHS)]
     for s in SCHEMES:
         cells = [_cell_text(_cell(rows, s, d, updates), PAPER.get((s, d)),
-                            (s, d) in grid_cells(updates)) for d in DEPTHS]
+                            (s, d) in grid_cells(updates), _shorter(rows, s, d, updates), updates)
+                 for d in DEPTHS]
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     return lines
 
@@ -290,8 +300,7 @@ def answer_lines(rows, updates=CONVERGED_UPDATES):
         return _cell(rows, s, d, updates)
 
     def failed(s, d):
-        lengths = [n for n in CONVERGED_LENGTHS if n < updates and _cell(rows, s, d, n)]
-        return _failed(cell(s, d), _cell(rows, s, d, max(lengths)) if lengths else (), updates)
+        return _failed(cell(s, d), _shorter(rows, s, d, updates), updates)
 
     def vs(s, base, other):
         return f"  - {compare(cell(s, base), cell(s, other), base, f'{s} {other}')}."
