@@ -157,7 +157,7 @@ def worker(a) -> dict:
             "device": device.type}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schemes", nargs="+", default=["admin"], choices=SCHEMES,
@@ -174,14 +174,11 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--scheme", default="admin", help=argparse.SUPPRESS)
     p.add_argument("--setting", default="plain", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    if a.embed_dim < 8 or a.batch < 1 or a.tokens < 2:
-        p.error("--embed-dim must be >= 8, --batch >= 1 and --tokens >= 2")
+    return p
 
-    if a.worker:
-        print(json.dumps(worker(a)))
-        return 0
 
+def run_workers(a) -> list:
+    """One fresh worker process per (scheme, setting), so each peak is its own process's."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # see the module docstring
@@ -198,7 +195,11 @@ def main(argv=None) -> int:
                 sys.stderr.write(proc.stderr[-4000:])
                 raise SystemExit(f"worker {scheme}/{setting} failed ({proc.returncode})")
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return rows
 
+
+def print_rows(a, rows) -> None:
+    """The rows side by side, each peak as a ratio to its scheme's plain setting."""
     mib = 2 ** 20
     print(f"{a.encoder_layers}L-{a.decoder_layers}L admin_transformer, d={a.embed_dim}, "
           f"FFN {4 * a.embed_dim}, batch {a.batch} x {a.tokens} tokens per side, "
@@ -217,6 +218,18 @@ def main(argv=None) -> int:
             print(f"{scheme}: peak memory without / with --checkpoint-activations = "
                   f"{by['plain']['peak_bytes'] / max(by['checkpoint']['peak_bytes'], 1):.2f}x, "
                   f"step time {by['checkpoint']['seconds'] / by['plain']['seconds']:.2f}x")
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.embed_dim < 8 or a.batch < 1 or a.tokens < 2:
+        p.error("--embed-dim must be >= 8, --batch >= 1 and --tokens >= 2")
+    if a.worker:
+        print(json.dumps(worker(a)))
+        return 0
+    rows = run_workers(a)
+    print_rows(a, rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -197,3 +197,26 @@ def test_no_course_without_a_logged_value(tmp_path):
                          "run's updates; no run that failed was logged. The monitor's collapse "
                          "warning fires for none of the runs that failed (none logged); for 0 of "
                          "the 1 run that trained.")
+
+
+def test_a_continued_run_is_one_course_at_its_longer_run(tmp_path):
+    """A 4800-update run that continues a 2400-update run's checkpoint logs the shorter run's
+    course inside its own: one line, counted once."""
+    short = dict(key="admin|48L-1L|seed1|2400upd", study="d128", scheme="admin",
+                 positions="sinusoidal",
+                 depth="48L-1L", seed="1", lr="0.001", warmup="2000", max_update="2400",
+                 updates="2400", status="trained", source_gain="4.9", resumed_at="1400")
+    long_ = dict(short, key="admin|48L-1L|seed1|4800upd", max_update="4800", updates="4800",
+                 resumed_at=f"1400; 2400 (continues {short['key']})")
+    curves = {}
+    for r, pts in ((short, [(180, 0.97), (2000, 0.3), (2400, 0.06)]),
+                   (long_, [(180, 0.97), (2000, 0.3), (2400, 0.06), (4800, 0.04)])):
+        curves[r["key"]] = tmp_path / f"{r['max_update']}.json"
+        curves[r["key"]].write_text(json.dumps(
+            {"train": [{"update": u, "enc_tok_cos": c} for u, c in pts]}))
+    assert courses.continued_keys([short, long_]) == {short["key"]}
+    lines = courses.course_lines([short, long_], lambda r: curves[r["key"]], failure)
+    rows = [x for x in lines if x.startswith("| 48L-1L")]
+    assert rows == ["| 48L-1L | admin | 1 | lr 0.001, warmup 2000, 4800 updates | trained | "
+                    "0.97 (180) | 0.97 (180) | 0.30 (2000) | 180 | 0.04 (4800) | no | - |"]
+    assert lines[-1].startswith("Of the runs logged, 1 run that trained: last above 0.9 at 4% ")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
@@ -74,13 +75,24 @@ def _pt(pt) -> str:
     return "-" if pt is None else f"{pt[1]:.2f} ({pt[0]})"
 
 
+def continued_keys(rows) -> set:
+    """The keys of runs that a longer run continues from their checkpoint (its ``resumed_at``
+    says ``U (continues KEY)``): the longer run's logged course holds theirs."""
+    return {k for r in rows
+            for k in re.findall(r"\(continues ([^)]+)\)", r.get("resumed_at") or "")}
+
+
 def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
                  failure: Callable[[dict], str]) -> List[str]:
-    """The markdown table of every row whose curve logged ``enc_tok_cos`` (``curve_of(row)``:
-    its curve file or None; ``failure(row)``: why it failed, '' if it trained) and the
-    sentence comparing the last update above the line; ``[]`` when no row has a course."""
+    """The markdown table of every training course whose curve logged ``enc_tok_cos``
+    (``curve_of(row)``: its curve file or None; ``failure(row)``: why it failed, '' if it
+    trained), one per course: a run continued by a longer run is left to the longer one; and
+    the sentence comparing the last update above the line; ``[]`` when no row has a course."""
     logged = []
+    continued = continued_keys(rows)
     for r in rows:
+        if r.get("key") in continued:
+            continue
         path = curve_of(r)
         if path is None or not path.is_file():
             continue  # checked first: hand-made and older rows may lack the recipe columns
@@ -94,8 +106,9 @@ def course_lines(rows, curve_of: Callable[[dict], Optional[Path]],
     logged.sort(key=lambda rc: _row_order(rc[0]))
     lines = [f"The encoder token cosine while training (`{KEY}`, the training monitor's, "
              "the mean over each 10-update logging interval of its batches in train mode; "
-             "value (last update of the interval)), for every run logged "
-             f"with it; last above {COLLAPSE_LINE:g}: the last logged update whose value was "
+             "value (last update of the interval)), for every training course logged "
+             "with it (a run continued to a longer length is shown once, at its longer run); "
+             f"last above {COLLAPSE_LINE:g}: the last logged update whose value was "
              f"above {COLLAPSE_LINE:g}; warned: the update at whose log line the monitor "
              f"warns of a collapsed encoder (the first interval wholly after the warmup above "
              f"{COLLAPSE_LINE:g}; `fairseq_admin_pos/collapse.py` replayed over the curve); "

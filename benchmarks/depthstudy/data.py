@@ -58,10 +58,17 @@ def _prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int)
         return root
     if root.exists():
         shutil.rmtree(root)
-    (root / "raw").mkdir(parents=True)
-    (root / "spm").mkdir()
-    import sentencepiece as spm
+    counts = _write_raw(data, root)
+    prefix = _train_and_encode(root, vocab, threads)
+    log("encoded all splits with " + str(prefix) + ".model")
+    _binarize(root, bin_dir, threads, workers)
+    stamp.write_text(json.dumps({"settings": settings, "sentences": counts}, indent=1))
+    return root
 
+
+def _write_raw(data: Path, root: Path):
+    """Multi30k's gzipped splits as plain text under ``root/raw``; sentences per split."""
+    (root / "raw").mkdir(parents=True)
     counts = {}
     for split in SPLITS:
         lines = {lang: read_gz(raw_path(data, split, lang)) for lang in LANGS}
@@ -74,8 +81,15 @@ def _prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int)
         for lang in LANGS:
             (root / "raw" / f"{split}.{lang}").write_text("\n".join(lines[lang]) + "\n")
     log(f"sentences: {counts}")
+    return counts
 
-    # joint unigram model on the training side only (valid/test never seen)
+
+def _train_and_encode(root: Path, vocab: int, threads: int) -> Path:
+    """A joint unigram sentencepiece model on the training side only (valid/test never
+    seen), and every split encoded with it under ``root/spm``; the model's prefix."""
+    import sentencepiece as spm
+
+    (root / "spm").mkdir()
     prefix = root / "spm" / f"spm{vocab}"
     spm_args = dict(
         input=f"{root/'raw'/'train.en'},{root/'raw'/'train.de'}",
@@ -95,8 +109,11 @@ def _prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int)
             (root / "spm" / f"{split}.{lang}").write_text(
                 "\n".join(" ".join(p) for p in pieces) + "\n"
             )
-    log("encoded all splits with " + str(prefix) + ".model")
+    return prefix
 
+
+def _binarize(root: Path, bin_dir: Path, threads: int, workers: int) -> None:
+    """``fairseq-preprocess`` of the encoded splits into ``bin_dir`` (joined dictionary)."""
     cmd = [
         sys.executable, "-m", "fairseq_cli.preprocess",
         "--source-lang", SRC, "--target-lang", TGT,
@@ -108,8 +125,6 @@ def _prepare_data(data: Path, out: Path, vocab: int, threads: int, workers: int)
     if rc != 0:
         raise SystemExit(f"fairseq-preprocess failed (rc {rc}); see {root/'preprocess.log'}\n"
                          + text[-2000:])
-    stamp.write_text(json.dumps({"settings": settings, "sentences": counts}, indent=1))
-    return root
 
 
 def unigram_entropy_bits(root: Path) -> float:
