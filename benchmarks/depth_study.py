@@ -21,7 +21,8 @@ lr 1e-3 after 2000 warmup updates, validation and a checkpoint every 200 updates
 kept; first the convergence check (Admin 6L-6L and 18L-18L at 2400 and 4800 updates), then
 Post-LN, Pre-LN and Admin at 6L-6L, 12L-12L, 18L-18L and Admin and Pre-LN at 12L-1L and 48L-1L,
 two seeds (a third where the first two differ by more than 1 BLEU), seed 1 of every cell
-first, Post-LN 18L-18L last (skipped where Post-LN 12L-12L failed with both seeds). A run whose process was stopped (a session's end) resumes from its
+first (where 12L-12L is every scheme's, Post-LN 18L-18L last, skipped where Post-LN 12L-12L
+failed with both seeds). A run whose process was stopped (a session's end) resumes from its
 ``checkpoint_last.pt`` when the study is called again, and a longer run of a configuration
 continues its kept shorter run (``depthstudy/segments.py``): one run, whose row says where it
 was resumed (``resumed_at``). ``--report-only --publish docs`` rebuilds every table, the

@@ -268,14 +268,15 @@ _CHECK = [("admin", d, 1, "sinusoidal", n) for d in ("6L-6L", "18L-18L") for n i
 #: first seed before any second. At a length above the first, 12L-12L is Admin's alone.
 CONVERGED_LONG = CONVERGED_UPDATES > CONVERGED_RECIPE["max_update"]
 _SHARED_12 = () if CONVERGED_LONG else ("12L-12L",)
+#: Post-LN 18L-18L: where 12L-12L is shared it runs last, both seeds, and is skipped if Post-LN
+#: 12L-12L failed with both (``converged.skipped``); where 12L-12L is Admin's alone it is
+#: always run, so it is a cell like the others (its first seed before any second seed)
+POST_LN_DEEP = ("post-ln", "18L-18L")
 _CONVERGED_CELLS = (
     [("admin", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L", "12L-12L")]
     + [("pre-ln", d) for d in ("6L-6L", "18L-18L", "12L-1L", "48L-1L") + _SHARED_12]
-    + [("post-ln", d) for d in ("6L-6L",) + _SHARED_12]
+    + [("post-ln", d) for d in ("6L-6L",) + (("18L-18L",) if CONVERGED_LONG else _SHARED_12)]
 )
-#: Post-LN 18L-18L last, both seeds: it is skipped where Post-LN 12L-12L failed with both
-#: seeds (``converged.skipped``); with 12L-12L Admin's alone it is always run
-POST_LN_DEEP = ("post-ln", "18L-18L")
 #: each cell trains to the schedule's first length, then (where the check set a longer one)
 #: continues that run: a session that ends between the two still leaves a recorded row
 CONVERGED_LENGTHS = tuple(dict.fromkeys((CONVERGED_RECIPE["max_update"],
@@ -283,7 +284,8 @@ CONVERGED_LENGTHS = tuple(dict.fromkeys((CONVERGED_RECIPE["max_update"],
 PLANS["converged"] = list(dict.fromkeys(
     _CHECK + [(s, d, seed, "sinusoidal", n) for seed in (1, 2)
               for s, d in _CONVERGED_CELLS for n in CONVERGED_LENGTHS]
-    + [(*POST_LN_DEEP, seed, "sinusoidal", n) for seed in (1, 2) for n in CONVERGED_LENGTHS]))
+    + ([] if CONVERGED_LONG else [(*POST_LN_DEEP, seed, "sinusoidal", n) for seed in (1, 2)
+                                  for n in CONVERGED_LENGTHS])))
 PLAN_RECIPES["converged"] = dict(CONVERGED_RECIPE, max_update=CONVERGED_UPDATES)
 
 # --------------------------------------------------------------------------- omega form
