@@ -39,7 +39,9 @@ def page(tmp_path):
             # 18L-18L beyond 6L-6L's spread; 12L-1L within it; pre-ln 12L-1L one seed
             _row("admin", "18L-18L", 1, 2400, 32.9), _row("admin", "18L-18L", 2, 2400, 32.1),
             _row("admin", "12L-1L", 1, 2400, 30.1), _row("admin", "12L-1L", 2, 2400, 31.3),
-            _row("pre-ln", "12L-1L", 1, 2400, 29.0), _row("pre-ln", "48L-1L", 1, 4800, 13.0)]
+            _row("pre-ln", "12L-1L", 1, 2400, 29.0),
+            dict(_row("pre-ln", "48L-1L", 1, 4800, 13.0),
+                 resumed_at=f"2400 (continues {_row('pre-ln', '48L-1L', 1, 2400, 0)['key']})")]
     curves = {
         # validation nll rises after its best: over-fitting
         rows[0]["key"]: dict(train=[], valid=[dict(update=u, nll=n, loss=n, ppl=1) for u, n in

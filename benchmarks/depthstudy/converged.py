@@ -32,7 +32,7 @@ import json
 import statistics
 from pathlib import Path
 
-from .courses import course
+from .courses import continued_keys, course
 from .deepshallow import failure
 from .plan import (CONVERGED_LENGTHS, CONVERGED_LONG, CONVERGED_RECIPE, CONVERGED_UPDATES,
                    PLANS, POST_LN_DEEP)
@@ -174,29 +174,31 @@ def nll_lines(rows, curve_of):
 
 def collapse_lines(rows, curve_of):
     """The 48L-1L runs' courses, then the monitor's rule replayed over every course of the
-    page: one per scheme, depth and seed, the longest run's (a longer run continues the
-    shorter one, so its logged course holds the shorter one's)."""
+    page, one per training course: a run that a longer run continues from its checkpoint is
+    counted once, in the longer run (whose logged course holds the shorter one's)."""
     lines = ["| scheme | seed | updates | BLEU | outcome | peak enc_tok_cos (update) | at the end "
              "| monitor warned at |", "|---|---|---|---|---|---|---|---|"]
-    courses = {}
+    continued = continued_keys(rows)
+    courses = []
     key = lambda r: (r["depth"] != "48L-1L", r["scheme"], int(r["seed"]), int(r["max_update"]))
     for r in sorted(rows, key=key):
         path = curve_of(r)
         c = course(json.loads(path.read_text())["train"], int(r["warmup"])) if path else None
         if c is None:
             continue
-        # sorted by length: the longest run of a course is the one kept
-        courses[(r["scheme"], r["depth"], r["seed"])] = (bool(failure(r)), c["warned"] is not None)
+        if r.get("key") not in continued:
+            courses.append((bool(failure(r)), c["warned"] is not None))
         if r["depth"] == "48L-1L":
             lines.append(f"| {r['scheme']} | {r['seed']} | {r['max_update']} | {r['bleu']} | "
                          f"{failure(r) or 'trained'} | {c['peak'][1]:.3f} ({c['peak'][0]}) | "
                          f"{c['end'][1]:.3f} | {c['warned'] or 'not warned'} |")
-    failed = [w for f, w in courses.values() if f]
-    trained = [w for f, w in courses.values() if not f]
-    lines += ["", f"The rule replayed over every logged training course of this page, one per "
-              f"scheme, depth and seed, each to its longest run's end ({len(courses)} courses, "
-              f"none of them among those the rule was set on): it warned for {sum(failed)} of "
-              f"{len(failed)} that failed and for {sum(trained)} of {len(trained)} that trained."]
+    failed = [w for f, w in courses if f]
+    trained = [w for f, w in courses if not f]
+    lines += ["", f"The rule replayed over every logged training course of this page, a run "
+              f"continued by a longer one counted once, at the longer run's end ({len(courses)} "
+              f"courses, none of them among those the rule was set on): it warned for "
+              f"{sum(failed)} of {len(failed)} that failed and for {sum(trained)} of "
+              f"{len(trained)} that trained."]
     return lines
 
 
