@@ -182,3 +182,38 @@ def test_converged_plan_checks_the_length_before_the_grid():
                                     [item for item in plan if item[:2] == POST_LN_DEEP])
     recipe = module.PLAN_RECIPES["converged"]
     assert (recipe["lr"], recipe["warmup"], recipe["validate_every"]) == (1e-3, 2000, 200)
+
+
+@pytest.mark.parametrize("rc,finished,written,ok", [
+    (0, True, True, True),
+    (-6, True, True, True),     # aborted at exit after it finished and wrote the profile
+    (-6, False, True, False),   # aborted before it finished: the file is not trusted
+    (-6, True, False, False),   # finished without writing the file
+    (0, True, False, False),
+])
+def test_profile_measurement_survives_only_an_abort_after_it_finished(
+        tmp_path, monkeypatch, rc, finished, written, ok):
+    module = load_study_module()
+    from depthstudy import runner
+
+    def fake_run(cmd, env, log_file=None, echo=False):
+        path = cmd[cmd.index("--admin-profile-path") + 1]
+        if written:
+            open(path, "w").write('{"encoder": [1.0], "decoder": [1.0]}')
+        text = "done training in 0.1 seconds\n" if finished else "begin training epoch 1\n"
+        return rc, text + "terminate called without an active exception\n", ""
+
+    monkeypatch.setattr(runner, "run_checked", fake_run)
+    monkeypatch.setattr(runner, "train_command",
+                        lambda *a: ["fairseq-train", "--max-update", "700"])
+    args = module.parse_args(["--out", str(tmp_path), "--threads", "1"])[1]
+    key = runner.run_key("admin-paper", "2L-2L", 1, args)
+    if ok:
+        path = runner.measure_profile(args, tmp_path, "admin-paper", "2L-2L", 1, "sinusoidal")
+        assert json.loads(path.read_text()) == {"encoder": [1.0], "decoder": [1.0]}
+        assert re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".json" == path.name
+        assert [p.name for p in tmp_path.joinpath("profiles").iterdir()
+                if p.is_dir()] == []  # its work folder removed
+    else:
+        with pytest.raises(RuntimeError, match="measuring the profile"):
+            runner.measure_profile(args, tmp_path, "admin-paper", "2L-2L", 1, "sinusoidal")

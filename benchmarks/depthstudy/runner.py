@@ -210,6 +210,12 @@ def measure_profile(args, root, scheme, depth, seed, positions) -> Path:
         cmd[cmd.index("--max-update") + 1] = "1"
         cmd += ["--admin-profile-path", str(path), "--no-save", "--disable-validation"]
         rc, text, _ = run_checked(cmd, fairseq_env(args.threads), work / "train.log")
+        if rc != 0 and path.is_file() and "done training in" in text:
+            # the interpreter can abort at exit after fairseq finished ("terminate called
+            # without an active exception"): the profile was written before it, so it is used
+            log(f"fairseq-train exited with rc {rc} after it finished and wrote {path.name}; "
+                f"using the profile")
+            rc = 0
         if rc != 0 or not path.is_file():
             raise RuntimeError(f"measuring the profile for {name} failed (rc {rc}); see "
                                f"{work / 'train.log'}\n" + "\n".join(text.splitlines()[-10:]))
