@@ -275,6 +275,36 @@ def test_a_third_seed_where_the_first_two_differ_by_more_than_one_bleu():
     assert f"admin 12L-1L seed 3 ({n})" in converged.missing_line(converged.converged_rows(rows))
 
 
+# (6L-6L seeds, 18L-18L seeds, cells given a third seed). The line a difference must pass is
+# max(0.5, larger std); a cell turns the verdict when one of its seeds in place of its mean
+# moves the difference across that line:
+@pytest.mark.parametrize("base,deep,third", [
+    # -0.90, line 0.50; one seed in place of a mean: -0.70 or -1.10, lower every time
+    ((36.0, 36.4), (35.1, 35.5), set()),
+    # -0.60, line 0.50; 35.60 - 36.00 = -0.40 and 35.80 - 36.20 = -0.40 are within: both turn
+    ((36.0, 36.4), (35.4, 35.8), {"6L-6L", "18L-18L"}),
+    # -0.65, line 0.50 (stds 0.07 and 0.35); 6L-6L's seeds give -0.60 and -0.70, lower;
+    # 18L-18L's give -0.90, lower, and -0.40, within: only 18L-18L's seeds turn it
+    ((36.0, 36.1), (35.15, 35.65), {"18L-18L"}),
+    # +0.00, within the spread, and within it for every seed (+-0.10)
+    ((36.0, 36.2), (36.1, 36.1), set()),
+])
+def test_a_third_seed_where_a_comparison_turns_on_one_seed(base, deep, third):
+    from depthstudy.plan import CONVERGED_UPDATES as n
+
+    rows = [_row("admin", d, seed, n, bleu) for d, bleus in (("6L-6L", base), ("18L-18L", deep))
+            for seed, bleu in enumerate(bleus, 1)]
+    assert {i[1] for i in converged.third_seeds(rows) if i[0] == "admin"} == third
+
+
+def test_a_third_seed_where_two_seeds_disagree_on_failure():
+    from depthstudy.plan import CONVERGED_UPDATES as n
+
+    rows = [_row("admin", "48L-1L", 1, n, 34.0), _row("admin", "48L-1L", 2, n, 33.5,
+                                                      status="diverged")]
+    assert {i[:3] for i in converged.third_seeds(rows)} == {("admin", "48L-1L", 3)}
+
+
 @pytest.mark.parametrize("statuses,skips", [(("stuck", "diverged"), True),
                                             (("stuck", "trained"), False), (("stuck",), False)])
 def test_post_ln_18l_is_skipped_only_where_12l_failed_with_both_seeds(statuses, skips):

@@ -23,7 +23,9 @@ rewritten by ``--publish`` (and ``--report-only --publish``) from the rows alone
 
 A difference of two cells is called one only when both have two seeds or more and it exceeds
 both 0.5 BLEU and the larger of the two cells' seed standard deviations; otherwise the answer
-says it is within the seeds' spread, or that the cells are not measured yet.
+says it is within the seeds' spread, or that the cells are not measured yet. A cell gets a
+third seed (:func:`third_seeds`) where its first two differ by more than 1 BLEU, disagree on
+failure, or decide an answer.
 """
 from __future__ import annotations
 
@@ -206,19 +208,55 @@ def collapse_lines(rows, curve_of):
 THIRD_SEED_BLEU = 1.0
 
 
+def _bleus(rs):
+    return [x for x in (_num(r["bleu"]) for r in rs) if x is not None]
+
+
+def _line(a, b):
+    """The difference two cells' BLEU (lists of two or more seeds) must exceed to count."""
+    return max(GAIN_BLEU, statistics.stdev(a), statistics.stdev(b))
+
+
+def _verdict(diff, line):
+    """1 higher, -1 lower, 0 within the seeds' spread."""
+    return 0 if abs(diff) <= line else (1 if diff > 0 else -1)
+
+
+def _turns_on(a, b):
+    """Which of two cells' seed lists (two seeds each; ``a`` the base) a comparison's verdict
+    turns on: those where one of the cell's seeds in place of its mean, at the same line,
+    changes the verdict."""
+    if min(len(a), len(b)) != 2:
+        return set()
+    line, ma, mb = _line(a, b), statistics.mean(a), statistics.mean(b)
+    verdict = _verdict(mb - ma, line)
+    return ({"base"} if any(_verdict(mb - x, line) != verdict for x in a) else set()) | \
+        ({"other"} if any(_verdict(x - ma, line) != verdict for x in b) else set())
+
+
 def third_seeds(rows):
-    """Grid items of seed 3 for every cell of the grid whose seeds 1 and 2 (at the grid's
-    length) differ by more than ``THIRD_SEED_BLEU``, each length in the plan's order."""
+    """Grid items of seed 3 for every cell of the grid (at the grid's length) whose seeds 1 and
+    2 differ by more than ``THIRD_SEED_BLEU``, disagree on whether the run failed, or decide a
+    comparison of the answers (:func:`comparisons`): one of its seeds in place of the cell's
+    mean changes that comparison's verdict. Each length in the plan's order."""
     rows = converged_rows(rows)
     cells = dict.fromkeys((s, d) for s, d, _, _, n in PLANS["converged"]
                           if n == CONVERGED_UPDATES)
-    items = []
-    for s, d in cells:
-        bleus = {r["seed"]: _num(r["bleu"]) for r in _cell(rows, s, d, CONVERGED_UPDATES)}
-        if None not in (bleus.get("1"), bleus.get("2")) and \
-                abs(bleus["1"] - bleus["2"]) > THIRD_SEED_BLEU:
-            items += [(s, d, 3, "sinusoidal", n) for n in CONVERGED_LENGTHS]
-    return items
+    first_two = {c: [r for r in _cell(rows, *c, CONVERGED_UPDATES) if r["seed"] in ("1", "2")]
+                 for c in cells}
+    third = set()
+    for c, rs in first_two.items():
+        bleus = _bleus(rs)
+        if len(rs) == 2 and (len({bool(failure(r)) for r in rs}) == 2 or (
+                len(bleus) == 2 and abs(bleus[0] - bleus[1]) > THIRD_SEED_BLEU)):
+            third.add(c)
+    for s, base, other in comparisons(grid_cells()):
+        turns = _turns_on(_bleus(first_two.get((s, base), [])),
+                          _bleus(first_two.get((s, other), [])))
+        third |= {(s, base)} if "base" in turns else set()
+        third |= {(s, other)} if "other" in turns else set()
+    return [(s, d, 3, "sinusoidal", n) for s, d in cells if (s, d) in third
+            for n in CONVERGED_LENGTHS]
 
 
 def skipped(rows):
@@ -267,10 +305,6 @@ def fill(page: Path, rows, out: Path, published: Path, updates=CONVERGED_UPDATES
 
 
 # --------------------------------------------------------------------------- the answers
-def _bleus(rs):
-    return [x for x in (_num(r["bleu"]) for r in rs) if x is not None]
-
-
 def compare(base, other, base_name, other_name):
     """One clause: ``other``'s mean BLEU against ``base``'s, with the rule of the module
     docstring (two seeds each, beyond 0.5 BLEU and beyond the larger seed std)."""
@@ -283,9 +317,10 @@ def compare(base, other, base_name, other_name):
     if min(len(a), len(b)) < 2:
         return text + ", not concluded (one seed)"
     spread = max(statistics.stdev(a), statistics.stdev(b))
-    if abs(diff) <= max(GAIN_BLEU, spread):
+    verdict = _verdict(diff, _line(a, b))
+    if not verdict:
         return text + f", within the seeds' spread (std {spread:.2f})"
-    return text + f", {'higher' if diff > 0 else 'lower'} beyond the seeds' spread " \
+    return text + f", {'higher' if verdict > 0 else 'lower'} beyond the seeds' spread " \
                   f"(std {spread:.2f})"
 
 
@@ -301,6 +336,14 @@ def _failed(rs, shorter=(), updates=None):
     return f"{len(bad)} of {len(rs)} runs failed (BLEU {', '.join(r['bleu'] for r in rs)})"
 
 
+def comparisons(grid):
+    """The (scheme, base depth, other depth) comparisons the answers read: each deeper shape
+    of Admin and Pre-LN in ``grid`` against the same scheme's 6L-6L, then 12L-1L against it."""
+    return [*((s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")
+              if (s, d) in grid),
+            *((s, "6L-6L", "12L-1L") for s in ("admin", "pre-ln"))]
+
+
 def answer_lines(rows, updates=CONVERGED_UPDATES):
     """The three questions of the converged table, answered from ``rows`` alone."""
     def cell(s, d):
@@ -314,14 +357,14 @@ def answer_lines(rows, updates=CONVERGED_UPDATES):
 
     grid = grid_cells(updates)
     post = "12L-12L" if ("post-ln", "12L-12L") in grid else "18L-18L"
+    pairs = comparisons(grid)
     return [f"At this schedule ({updates} updates), in BLEU; a difference counts when both cells "
             f"have two seeds and it exceeds {GAIN_BLEU} and their larger std:", "",
             f"- **Does depth pay?** Post-LN {post} (failed in the paper): "
             f"{failed('post-ln', post)}.",
-            *(vs(s, "6L-6L", d) for s in ("admin", "pre-ln") for d in ("12L-12L", "18L-18L")
-              if (s, d) in grid),
+            *(vs(*c) for c in pairs if c[2] != "12L-1L"),
             "- **Does 12L-1L match 6L-6L?**",
-            *(vs(s, "6L-6L", "12L-1L") for s in ("admin", "pre-ln")),
+            *(vs(*c) for c in pairs if c[2] == "12L-1L"),
             "- **Does Admin collapse at 48L-1L?**",
             *(f"  - {s} 48L-1L: {failed(s, '48L-1L')}." for s in ("admin", "pre-ln"))]
 
