@@ -25,8 +25,10 @@ first (where 12L-12L is every scheme's, Post-LN 18L-18L last, skipped where Post
 failed with both seeds). A run whose process was stopped (a session's end) resumes from its
 ``checkpoint_last.pt`` when the study is called again, and a longer run of a configuration
 continues its kept shorter run (``depthstudy/segments.py``): one run, whose row says where it
-was resumed (``resumed_at``). ``--report-only --publish docs`` rebuilds every table, the
-converged page's and the README's headline included, from the CSV.
+was resumed (``resumed_at``). ``--cells admin:12L-1L:2,...`` trains only those cells of a
+plan (every length, in the plan's order), for a session that cannot finish the plan's next
+runs before it ends; the report still lists the whole plan. ``--report-only --publish docs``
+rebuilds every table, the converged page's and the README's headline included, from the CSV.
 
 Steps (every fairseq / data command is printed before it runs):
 
@@ -160,6 +162,9 @@ def build_parser():
     p.add_argument("--plan", choices=sorted(PLANS), default=None,
                    help="run a predefined grid (with its own recipe) instead of --schemes x "
                         "--depths x --seeds; each plan: benchmarks/depthstudy/plan.py")
+    p.add_argument("--cells", default=None, metavar="SCHEME:DEPTH[:SEED],...",
+                   help="with --plan: only the plan's runs of these cells (every length, in the "
+                        "plan's order), e.g. admin:12L-1L:2,pre-ln:12L-1L:2")
     p.add_argument("--quick", action="store_true",
                    help="the headline contrast only, fast: --schemes post-ln,admin --depths "
                         "12L-12L --preset d64 (explicit flags override it)")
@@ -229,6 +234,26 @@ def _grid(args, schemes, depths, seeds, positions):
             for seed in seeds]
 
 
+def only_cells(grid, text: str) -> list:
+    """The runs of ``grid`` in the cells ``text`` names (a comma list of ``scheme:depth`` or
+    ``scheme:depth:seed``), in the grid's order. A cell the grid lacks is a ``ValueError``
+    naming ``--cells`` and the grid's cells."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    keep = set()
+    for name in names:
+        parts = name.split(":")
+        chosen = {g for g in grid if len(parts) in (2, 3) and list(g[:2]) == parts[:2]
+                  and (len(parts) == 2 or str(g[2]) == parts[2])}
+        if not chosen:
+            cells = ", ".join(dict.fromkeys(f"{g[0]}:{g[1]}:{g[2]}" for g in grid))
+            raise ValueError(f"--cells: {name!r} is no cell of this grid; valid choices "
+                             f"(the seed may be left out): {cells}")
+        keep |= chosen
+    if not keep:
+        raise ValueError("--cells: no cell given (a comma list of scheme:depth[:seed])")
+    return [g for g in grid if g in keep]
+
+
 def _split(parser, flag: str, text: str, valid: dict) -> list:
     """A comma list of choices; an unknown one is an argparse error naming ``flag``."""
     items = [s.strip() for s in text.split(",") if s.strip()]
@@ -270,6 +295,10 @@ def parse_args(argv):
         parser.error("--max-update, --threads and --jobs must be >= 1")
     if args.clip_norm < 0:
         parser.error(f"--clip-norm: {args.clip_norm:g} is negative; 0 turns clipping off")
+    if args.cells is not None and not args.plan:
+        # one line, without argparse's usage block: the flag's name says what to change
+        parser.exit(2, f"{parser.prog}: error: --cells selects runs of a --plan; without one "
+                       "use --schemes, --depths and --seeds\n")
     args.out = args.out.resolve()
     return parser, args, schemes, positions, depths, seeds
 
@@ -310,6 +339,13 @@ def main(argv=None):
         rows = read_rows(csv_path)
         skip = converged.skipped(rows)
         grid = [g for g in grid if g not in skip] + converged.third_seeds(rows)
+    # the report lists what the whole grid misses; --cells narrows only what runs now
+    to_run = grid
+    if args.cells is not None:
+        try:
+            to_run = only_cells(grid, args.cells)
+        except ValueError as err:
+            parser.exit(2, f"{parser.prog}: error: {err}\n")
     if not args.report_only:
         try:
             check_data(args.data)
@@ -325,7 +361,7 @@ def main(argv=None):
         unigram_bits = unigram_entropy_bits(root)
         log(f"unigram entropy of train.{TGT}: {unigram_bits:.3f} bits/token")
         study_cmd = "python benchmarks/depth_study.py " + " ".join(shlex.quote(a) for a in argv)
-        run_grid(args, root, grid, unigram_bits, study_cmd, csv_path)
+        run_grid(args, root, to_run, unigram_bits, study_cmd, csv_path)
     if (args.out / "data" / "bin").is_dir():
         # rows recorded before the diagnostic columns, whose runs are still here
         backfill(args, args.out / "data", csv_path)

@@ -217,3 +217,57 @@ def test_profile_measurement_survives_only_an_abort_after_it_finished(
     else:
         with pytest.raises(RuntimeError, match="measuring the profile"):
             runner.measure_profile(args, tmp_path, "admin-paper", "2L-2L", 1, "sinusoidal")
+
+
+@pytest.mark.parametrize("cells,expected", [
+    # a seed: that cell's runs at every length of the plan, in the plan's order
+    ("admin:12L-1L:2,pre-ln:12L-1L:2",
+     [("admin", "12L-1L", 2), ("pre-ln", "12L-1L", 2)]),
+    # no seed: every seed of the cell; the order is the plan's, not the flag's
+    ("pre-ln:48L-1L, admin:48L-1L",
+     [("admin", "48L-1L", 1), ("pre-ln", "48L-1L", 1), ("admin", "48L-1L", 2),
+      ("pre-ln", "48L-1L", 2)]),
+])
+def test_cells_narrow_the_plan_to_their_runs_in_plan_order(cells, expected):
+    module = load_study_module()
+    from depthstudy.plan import CONVERGED_LENGTHS
+
+    plan = module.PLANS["converged"]
+    got = module.only_cells(plan, cells)
+    assert got == [(s, d, seed, "sinusoidal", n) for s, d, seed in expected
+                   for n in CONVERGED_LENGTHS]
+    assert got == [g for g in plan if g in got]
+
+
+def test_cells_reach_the_grid_runner_and_the_report_keeps_the_whole_plan(tmp_path, monkeypatch):
+    """``main`` hands only the chosen cells' runs to the runner; the report (its list of
+    missing runs) still covers the whole plan."""
+    module = load_study_module()
+    seen = {}
+    monkeypatch.setattr(module, "check_data", lambda data: None)
+    monkeypatch.setattr(module, "prepare_data", lambda *a: tmp_path / "data")
+    monkeypatch.setattr(module, "unigram_entropy_bits", lambda root: 8.0)
+    monkeypatch.setattr(module, "run_grid", lambda args, root, grid, *a: seen.update(run=grid))
+    monkeypatch.setattr(module, "report", lambda args, grid, csv: seen.update(report=grid))
+    module.main(["--plan", "converged", "--out", str(tmp_path / "out"),
+                 "--cells", "post-ln:6L-6L:2"])
+    assert [g[:3] for g in seen["run"]] == [("post-ln", "6L-6L", 2)] * len(seen["run"])
+    assert len(seen["run"]) >= 1 and seen["report"] == module.PLANS["converged"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--plan", "converged", "--cells", "admin:13L-1L"],
+     "--cells: 'admin:13L-1L' is no cell of this grid; valid choices (the seed may be left "
+     "out): admin:6L-6L:1, admin:18L-18L:1, "),
+    (["--plan", "converged", "--cells", "admin:12L-1L:3"], "--cells: 'admin:12L-1L:3' is no cell"),
+    (["--plan", "converged", "--cells", ","], "--cells: no cell given"),
+    (["--cells", "admin:12L-1L:1"], "--cells selects runs of a --plan; without one use "
+                                    "--schemes, --depths and --seeds"),
+])
+def test_a_bad_cell_is_one_line_naming_the_flag_and_leaves_nothing(tmp_path, argv, message):
+    out = tmp_path / "out"
+    proc = study(*argv, "--out", out, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("depth_study.py: error: " + message), line
+    assert not out.exists()
