@@ -239,6 +239,8 @@ def only_cells(grid, text: str) -> list:
     ``scheme:depth:seed``), in the grid's order. A cell the grid lacks is a ``ValueError``
     naming ``--cells`` and the grid's cells."""
     names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise ValueError("--cells: no cell given (a comma list of scheme:depth[:seed])")
     keep = set()
     for name in names:
         parts = name.split(":")
@@ -249,8 +251,6 @@ def only_cells(grid, text: str) -> list:
             raise ValueError(f"--cells: {name!r} is no cell of this grid; valid choices "
                              f"(the seed may be left out): {cells}")
         keep |= chosen
-    if not keep:
-        raise ValueError("--cells: no cell given (a comma list of scheme:depth[:seed])")
     return [g for g in grid if g in keep]
 
 
