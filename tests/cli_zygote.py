@@ -10,8 +10,9 @@ the imports already done. The plugin itself is *not* imported here, so each comm
 it through its own ``--user-dir`` as a user's run does.
 
 Protocol (one JSON object per line): the client writes ``{"module", "argv", "cwd", "env",
-"stdin", "stdout", "stderr"}`` (the three are files); this process answers ``{"pid": N}`` at once and ``{"rc": N}`` when the
-child has ended. Started by ``fairseq_cli_utils.run``; ends when its stdin closes.
+"stdin", "stdout", "stderr"}`` (the three are files; ``stderr`` null sends it into the stdout
+file, as ``stderr=subprocess.STDOUT`` does); this process answers ``{"pid": N}`` at once and
+``{"rc": N}`` when the child has ended. Started by ``fairseq_cli_utils.run``; ends when its stdin closes.
 """
 import atexit
 import importlib.util
@@ -74,11 +75,22 @@ def _child(req) -> None:
         os.dup2(f, 0)
         os.close(f)
         sys.stdin = open(0, encoding=sys.stdin.encoding, errors=sys.stdin.errors, closefd=False)
-        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
+        f = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, 1)
+        os.close(f)
+        if req["stderr"] is None:  # stderr=subprocess.STDOUT: one file, one offset
+            os.dup2(1, 2)
+        else:
+            f = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, 2)
             os.close(f)
-        sys.path.insert(0, req["cwd"])  # what ``python -m`` puts first
+        if req["env"].get("PYTHONUNBUFFERED"):
+            sys.stdout.reconfigure(write_through=True)
+            sys.stderr.reconfigure(write_through=True)
+        # what ``python -m`` puts first, then the PYTHONPATH entries a new interpreter adds
+        extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep)
+                 if p and p not in sys.path]
+        sys.path[0:0] = [req["cwd"], *extra]
         # what ``python -m`` leaves in argv[0] (runpy sets it while the module runs, and
         # restores this value before an uncaught exception reaches sys.excepthook)
         sys.argv = [importlib.util.find_spec(req["module"]).origin, *req["argv"]]

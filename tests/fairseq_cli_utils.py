@@ -78,27 +78,34 @@ class _Zygote:
         self.buffer = b""  # read from the pipe, not yet returned as lines
         self.lock = threading.Lock()
 
-    def run(self, module, argv, cwd, timeout, stdin) -> subprocess.CompletedProcess:
+    def call(self, module, argv, cwd, child_env, stdin, stdout, stderr, timeout=None) -> int:
+        """Run ``python -m module argv`` forked, in ``cwd`` with ``child_env``, its three
+        streams the given files (``stderr`` None: into ``stdout``); the exit status. The
+        caller holds ``lock``."""
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).with_name("cli_zygote.py"))], cwd=REPO,
                 env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
             self.buffer = b""
             atexit.register(self.close)
+        req = dict(module=module, argv=[str(a) for a in argv], cwd=str(cwd), env=child_env,
+                   stdin=str(stdin), stdout=str(stdout),
+                   stderr=None if stderr is None else str(stderr))
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        pid = json.loads(self._line(None))["pid"]
+        try:
+            return json.loads(self._line(timeout))["rc"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            self._line(None)
+            raise subprocess.TimeoutExpired([module, *argv], timeout) from None
+
+    def run(self, module, argv, cwd, timeout, stdin) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory(prefix="cli_run_") as tmp:
-            req = dict(module=module, argv=argv, cwd=str(cwd), env=env(),
-                       stdin=os.path.join(tmp, "stdin"),
-                       stdout=os.path.join(tmp, "stdout"), stderr=os.path.join(tmp, "stderr"))
-            Path(req["stdin"]).write_text(stdin or "")
-            self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            pid = json.loads(self._line(None))["pid"]
-            try:
-                rc = json.loads(self._line(timeout))["rc"]
-            except subprocess.TimeoutExpired:
-                os.kill(pid, signal.SIGKILL)
-                self._line(None)
-                raise subprocess.TimeoutExpired([module, *argv], timeout) from None
-            out, err = (Path(req[k]).read_text(errors="replace") for k in ("stdout", "stderr"))
+            files = [os.path.join(tmp, k) for k in ("stdin", "stdout", "stderr")]
+            Path(files[0]).write_text(stdin or "")
+            rc = self.call(module, argv, cwd, env(), *files, timeout=timeout)
+            out, err = (Path(f).read_text(errors="replace") for f in files[1:])
         return subprocess.CompletedProcess([module, *argv], rc, out, err)
 
     def close(self) -> None:
@@ -120,7 +127,7 @@ class _Zygote:
         return line.decode()
 
 
-_ZYGOTE = _Zygote()
+_ZYGOTE = _Zygote()  # also used by study_forked.py
 
 
 def run(module: str, args: Sequence[str], cwd=None, check=True, timeout=600, fresh=False,

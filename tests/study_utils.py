@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 from fairseq_cli_utils import REPO, env
 
@@ -13,8 +14,11 @@ TINY = ["--depths", "2L-1L", "--embed-dim", "16", "--ffn-dim", "32", "--heads", 
         "--validate-every", "2", "--log-interval", "1", "--threads", "1"]
 
 
-def study(*args, check=True):
-    proc = subprocess.run([sys.executable, str(STUDY), *map(str, args)], cwd=REPO, env=env(),
+def study(*args, check=True, fresh=False):
+    """``python benchmarks/depth_study.py args``; its fairseq commands forked from a process
+    that has imported torch and fairseq (``study_forked.py``) unless ``fresh``."""
+    script = STUDY if fresh else Path(__file__).with_name("study_forked.py")
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=REPO, env=env(),
                           capture_output=True, text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

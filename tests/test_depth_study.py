@@ -228,6 +228,35 @@ def test_a_second_call_runs_nothing(grid):
     assert not [l for l in proc.stdout.splitlines() if l.startswith("$ ") and "fairseq_cli" in l]
 
 
+# what a run's row says about when and how fast it ran and the call that ran it, not what
+# it computed
+_NOT_COMPUTED = {"train_wall_s", "updates_per_s", "generate_wall_s", "finished_utc",
+                 "study_command"}
+
+
+def test_forked_commands_give_the_rows_of_new_interpreters(grid, tmp_path, depth_study_module):
+    """The grid's fairseq commands were forked from a process that had imported torch and
+    fairseq (tests/study_forked.py); the study run as a user runs it, each command a new
+    interpreter, gives the same row: losses, BLEU, omegas, probe, translations."""
+    out = tmp_path / "out"
+    shutil.copytree(grid["out"] / "data", out / "data")
+    proc = study("--data", grid["tmp"] / "m30k", "--out", out, "--schemes", "admin",
+                 "--seeds", "1", *TINY, fresh=True)
+    assert "data ready in" in proc.stdout + proc.stderr
+    with open(out / "results.csv", newline="") as fh:
+        (fresh,) = list(csv.DictReader(fh))
+    forked = grid["rows"]["admin", "1"]
+    assert sorted(fresh) == sorted(forked)
+    # the CSV's newest row holds its commands as they ran, the others relative (OUT, python)
+    relative = depth_study_module.relative
+    same = {k: relative(fresh[k], out) for k in fresh if k not in _NOT_COMPUTED}
+    assert same == {k: relative(forked[k], grid["out"]) for k in same}
+    assert float(forked["bleu"]) >= 0 and forked["final_omegas"] and forked["probe_valid_nll"]
+    folder = out / Path(fresh["curve_file"]).parent
+    for name in ("curve.json", "test.hyp.de"):
+        assert (folder / name).read_text() == (run_dir(grid, "admin", "1") / name).read_text()
+
+
 def test_publish_into_a_page_without_the_markers_is_an_error(grid, tmp_path):
     (tmp_path / "results.md").write_text("# no markers\n")
     proc = study("--out", grid["out"], "--report-only", "--publish", tmp_path, check=False)

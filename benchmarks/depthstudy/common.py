@@ -64,6 +64,13 @@ def run_checked(cmd, env, log_file: Path | None = None, echo: bool = False):
     return rc, "".join(out), text
 
 
+def capture(cmd, env) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in the repository root; its stdout and stderr as text. With
+    :func:`run_checked`, the one place the study starts a process."""
+    return subprocess.run([str(c) for c in cmd], env=env, cwd=REPO, capture_output=True,
+                          text=True)
+
+
 def parse_depth(depth: str):
     m = re.fullmatch(r"(\d+)L-(\d+)L", depth)
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:

@@ -8,14 +8,13 @@ import math
 import re
 import shlex
 import shutil
-import subprocess
 import tempfile
 import sys
 import time
 from pathlib import Path
 
-from .common import (REPO, USER_DIR, cpu_name, fairseq_env, file_lock, log, parse_depth,
-                     run_checked)
+from .common import (REPO, USER_DIR, capture, cpu_name, fairseq_env, file_lock, log,
+                     parse_depth, run_checked)
 from .data import TGT
 from .logs import classify, gnorm_summary, parse_curve
 from .omegas import init_omegas, write_variant_file
@@ -67,7 +66,7 @@ def unsupported_flags(scheme: str, positions: str, env, helps: dict | None = Non
     if out is None:
         cmd = [sys.executable, "-m", "fairseq_cli.train", "--user-dir", str(USER_DIR),
                "--arch", "admin_transformer", *chosen, "--help"]
-        out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True).stdout
+        out = capture(cmd, env).stdout
         if helps is not None:
             helps[chosen] = out
     missing = [f for f in flags if f.startswith("--") and f not in out]
@@ -232,8 +231,7 @@ def probe_run(root: Path, save_dir: Path, env) -> dict:
            "--last", last]
     env = dict(env, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + ":" +
                env.get("PYTHONPATH", ""))
-    proc = subprocess.run([str(c) for c in cmd], env=env, cwd=REPO, capture_output=True,
-                          text=True)
+    proc = capture(cmd, env)
     try:
         if proc.returncode != 0:
             raise ValueError(f"rc {proc.returncode}")
