@@ -12,7 +12,8 @@ it through its own ``--user-dir`` as a user's run does.
 Protocol (one JSON object per line): the client writes ``{"module", "argv", "cwd", "env",
 "stdin", "stdout", "stderr"}`` (the three are files; ``stderr`` null sends it into the stdout
 file, as ``stderr=subprocess.STDOUT`` does); this process answers ``{"pid": N}`` at once and
-``{"rc": N}`` when the child has ended. Started by ``fairseq_cli_utils.run``; ends when its stdin closes.
+``{"rc": N}`` when the child has ended. Started by ``fairseq_cli_utils`` (for ``run``, and for
+the depth study's commands in ``study_forked.py``); ends when its stdin closes.
 """
 import atexit
 import importlib.util
